@@ -1,0 +1,53 @@
+"""Attention backends, picked by name (`--attn`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.utils import Registry
+
+from .base import AttnConfig, BaseAttnBackend, HybridBackend
+from .torch_backend import TorchAttnBackend
+
+if TYPE_CHECKING:
+    from minisgl.kvcache.pool import KVPool
+
+ATTN_BACKENDS: Registry[type] = Registry("attention backend")
+ATTN_BACKENDS.register("torch")(TorchAttnBackend)
+
+
+def _register_optional() -> None:
+    """Backends whose imports may be missing register themselves only when they import."""
+    try:
+        from .triton_backend import TritonAttnBackend
+
+        if "triton" not in ATTN_BACKENDS:
+            ATTN_BACKENDS.register("triton")(TritonAttnBackend)
+    except ImportError:
+        pass
+
+
+def resolve_attn_name(name: str, device: torch.device) -> str:
+    """`auto`: triton on CUDA (when importable), torch elsewhere."""
+    _register_optional()
+    if name != "auto":
+        return name
+    if device.type == "cuda" and "triton" in ATTN_BACKENDS:
+        return "triton"
+    return "torch"
+
+
+def create_attn_backend(name: str, config: AttnConfig, kv_pool: "KVPool",
+                        page_table: torch.Tensor) -> BaseAttnBackend:
+    """`name` is one backend, `auto`, or a `prefill,decode` pair."""
+    _register_optional()
+    if "," in name:
+        prefill, decode = (resolve_attn_name(n.strip(), config.device) for n in name.split(","))
+        return HybridBackend(ATTN_BACKENDS.get(prefill)(config, kv_pool, page_table),
+                             ATTN_BACKENDS.get(decode)(config, kv_pool, page_table))
+    return ATTN_BACKENDS.get(resolve_attn_name(name, config.device))(config, kv_pool, page_table)
+
+
+__all__ = ["AttnConfig", "BaseAttnBackend", "ATTN_BACKENDS", "create_attn_backend", "resolve_attn_name"]

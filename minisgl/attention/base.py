@@ -1,0 +1,79 @@
+"""The attention-backend interface. A backend stores the step's K/V into the pool and attends over
+each request's whole sequence through the page table."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache.pool import KVPool
+
+
+@dataclass
+class AttnConfig:
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    head_dim: int
+    max_seq_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+class BaseAttnBackend(ABC):
+    """Prepare once per batch, then run once per layer."""
+
+    def __init__(self, config: AttnConfig, kv_pool: "KVPool", page_table: torch.Tensor) -> None:
+        self.config = config
+        self.kv_pool = kv_pool
+        self.page_table = page_table  # [max_running_req, max_seq_len] int32: position -> KV slot
+        self.scale = config.head_dim ** -0.5
+
+    @abstractmethod
+    def prepare_metadata(self, batch: "Batch") -> None:
+        """Fill batch.attn_metadata from batch.table_idx, prefix/extend lengths (host and device)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: "Batch") -> torch.Tensor:
+        """Store k/v [T, Hkv, D] at batch.out_loc, then attend q [T, Hq, D] -> [T, Hq, D]."""
+
+    # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
+    def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: "Batch") -> None:
+        raise NotImplementedError
+
+    def prepare_for_replay(self, batch: "Batch") -> None:
+        raise NotImplementedError
+
+
+class HybridBackend(BaseAttnBackend):
+    """`--attn prefill_name,decode_name`: one backend for prefill batches, another for decode."""
+
+    def __init__(self, prefill: BaseAttnBackend, decode: BaseAttnBackend) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.config = decode.config
+
+    def _pick(self, batch: "Batch") -> BaseAttnBackend:
+        return self.decode if batch.is_decode else self.prefill
+
+    def prepare_metadata(self, batch: "Batch") -> None:
+        self._pick(batch).prepare_metadata(batch)
+
+    def forward(self, q, k, v, layer_id, batch):
+        return self._pick(batch).forward(q, k, v, layer_id, batch)
+
+    def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
+        self.decode.init_capture_graph(max_bs, capture_bs)
+
+    def prepare_for_capture(self, batch: "Batch") -> None:
+        self.decode.prepare_for_capture(batch)
+
+    def prepare_for_replay(self, batch: "Batch") -> None:
+        self.decode.prepare_for_replay(batch)

@@ -1,0 +1,74 @@
+"""The reference attention backend in plain PyTorch: runs on any device, any page size.
+
+Decode gathers every request's K/V through the page table into one padded tensor and runs one masked
+SDPA for the whole batch; prefill/extend runs one SDPA per request (a query at position p sees keys
+0..p, prefix included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from minisgl import kernel
+
+from .base import BaseAttnBackend
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+
+
+@dataclass
+class TorchAttnMetadata:
+    # decode: [B, L] slot of every key position (padded), [B, 1, 1, L] mask of real keys
+    kv_indices: torch.Tensor
+    kv_mask: Optional[torch.Tensor]
+    # prefill: per request (query start, query length, key length, causal mask or None)
+    segments: Optional[List[tuple]] = None
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def prepare_metadata(self, batch: "Batch") -> None:
+        seq_lens = batch.seq_lens
+        max_len = max(seq_lens)
+        rows = self.page_table[batch.table_idx, :max_len]  # [B, L]
+        if batch.is_decode:
+            lens = batch.seq_lens_t.to(rows.device)
+            mask = torch.arange(max_len, device=rows.device)[None, :] < lens[:, None]
+            batch.attn_metadata = TorchAttnMetadata(rows, mask[:, None, None, :])
+            return
+        segments, start = [], 0
+        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            total = prefix + extend
+            mask = None
+            if prefix > 0:  # query i (position prefix + i) sees keys 0..prefix + i
+                q_pos = torch.arange(prefix, total, device=rows.device)[:, None]
+                mask = torch.arange(total, device=rows.device)[None, :] <= q_pos
+            segments.append((start, extend, total, mask))
+            start += extend
+        batch.attn_metadata = TorchAttnMetadata(rows, None, segments)
+
+    def forward(self, q, k, v, layer_id, batch):
+        k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
+        kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        meta: TorchAttnMetadata = batch.attn_metadata
+        gqa = q.shape[1] != k.shape[1]
+        if batch.is_decode:
+            idx = meta.kv_indices
+            keys = k_cache[idx].transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_cache[idx].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
+                                                 attn_mask=meta.kv_mask, scale=self.scale, enable_gqa=gqa)
+            return out.squeeze(2)
+        out = torch.empty_like(q)
+        for i, (start, extend, total, mask) in enumerate(meta.segments):
+            idx = meta.kv_indices[i, :total]
+            keys = k_cache[idx].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+            values = v_cache[idx].transpose(0, 1).to(q.dtype)
+            qi = q[start:start + extend].transpose(0, 1)  # [Hq, E, D]
+            o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=gqa)
+            out[start:start + extend] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,173 @@
+"""The core data structures: SamplingParams, Req, Batch and the per-process Context.
+
+The model's forward() takes no arguments: the batch being computed lives in the global Context and the
+layers read what they need (positions, attention metadata) from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.kvcache.pool import KVPool
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = -1  # -1: no limit
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    stop_token_ids: List[int] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.top_logprobs, int) or not (0 <= self.top_logprobs <= 20):
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(eq=False)
+class Req:
+    """One request inside the scheduler: its tokens, its request slot and how far its KV has been computed.
+
+    `token_ids` holds the prompt followed by every generated token. `cached_len` tokens have their KV in the
+    pool; the tokens from `cached_len` to `device_len` are computed by the step in flight.
+    """
+
+    uid: int
+    token_ids: List[int]
+    sampling_params: SamplingParams
+    prompt_len: int = -1
+    table_idx: int = -1  # row in the page table and token pool; -1 while not admitted
+    cached_len: int = 0  # tokens whose KV is in the pool
+    device_len: int = 0  # tokens whose KV exists once the step in flight finishes
+    cache_handle: Any = None  # the prefix-cache node locked for this request
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    max_total_len: int = 0  # prompt + max_tokens, capped by the model's maximum length
+    arrival: int = 0  # admission order; the newest running request is retracted first
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.token_ids)
+
+    @property
+    def output_ids(self) -> List[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def remain_tokens(self) -> int:
+        """Tokens this request may still generate."""
+        return max(0, self.max_total_len - len(self.token_ids))
+
+
+@dataclass(eq=False)
+class Batch:
+    """One forward step. The scheduler fills the host fields; the engine and backend fill the tensors.
+
+    For each request, `extend_lens[i]` new tokens are computed on top of `prefix_lens[i]` already cached
+    ones. A request samples a token only when the step reaches the end of its known tokens
+    (`sample_mask`); a prefill chunk that stops inside the prompt does not.
+    """
+
+    reqs: List[Req]
+    phase: str  # "prefill" or "decode"
+    prefix_lens: List[int]
+    extend_lens: List[int]
+    sample_mask: List[bool]
+    # device tensors, filled by the scheduler's batch preparation
+    input_ids: Optional[torch.Tensor] = None  # [num_tokens]
+    positions: Optional[torch.Tensor] = None  # [num_tokens]
+    out_loc: Optional[torch.Tensor] = None  # [num_tokens] KV slot each new token writes
+    table_idx: Optional[torch.Tensor] = None  # [batch] page-table rows
+    seq_lens_t: Optional[torch.Tensor] = None  # [batch] prefix + extend, on the device
+    attn_metadata: Any = None  # owned by the attention backend
+    # sampling: which flat rows give logits, and where each sampled token goes in the token pool
+    logits_idx: Optional[torch.Tensor] = None  # [num_sampled] (None in decode: every row samples)
+    sample_table_idx: Optional[torch.Tensor] = None  # [num_sampled]
+    sample_pos: Optional[torch.Tensor] = None  # [num_sampled] position of the sampled token
+    sampling_info: Any = None  # engine/sampler.py SamplingInfo
+    padded_size: int = 0  # batch size after padding for a CUDA graph (decode only)
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def seq_lens(self) -> List[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+@dataclass
+class Context:
+    """Per-process state the layers read during a forward pass."""
+
+    page_size: int
+    kv_pool: "KVPool"
+    attn_backend: "BaseAttnBackend"
+    batch: Optional[Batch] = None
+
+    @contextlib.contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[Batch]:
+        assert self.batch is None, "forward_batch is not re-entrant"
+        self.batch = batch
+        try:
+            yield batch
+        finally:
+            self.batch = None
+
+
+_GLOBAL_CTX: Optional[Context] = None
+
+
+def set_global_ctx(ctx: Optional[Context]) -> None:
+    global _GLOBAL_CTX
+    _GLOBAL_CTX = ctx
+
+
+def get_global_ctx() -> Context:
+    assert _GLOBAL_CTX is not None, "the global Context is set by the Engine"
+    return _GLOBAL_CTX

@@ -1,0 +1,7 @@
+"""The Engine (model, KV pool, attention backend, sampler) and the CUDA-graph runner."""
+
+from .config import EngineConfig
+from .engine import Engine, ForwardOutput
+from .sampler import Sampler, SamplingInfo
+
+__all__ = ["EngineConfig", "Engine", "ForwardOutput", "Sampler", "SamplingInfo"]

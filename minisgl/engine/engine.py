@@ -1,0 +1,184 @@
+"""The Engine: model + KV pool + page table + token pool + attention backend + sampler.
+
+It computes; it never decides. The scheduler hands it a prepared Batch and gets the sampled tokens back
+(on the device, plus an asynchronous copy to the host)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from minisgl.attention import AttnConfig, create_attn_backend
+from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.distributed import init_process_group, set_tp_info
+from minisgl.kvcache import KVPool
+from minisgl.models import ModelConfig, create_model
+from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
+from minisgl.utils import init_logger
+from minisgl.utils.device import create_event, is_cuda, pick_device, set_cpu_threads, synchronize
+from minisgl.utils.hf import load_hf_config, resolve_model_path
+
+from .config import EngineConfig
+from .sampler import Sampler
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    next_tokens: torch.Tensor  # [num_sampled] int32 on the device
+    next_tokens_host: torch.Tensor  # the same, copied asynchronously to (pinned) host memory
+    copy_done: Any  # event: the host copy is complete once it is synchronised
+    logprobs_host: Optional[tuple] = None  # (chosen [S], top values [S, k] | None, top ids [S, k] | None)
+
+    def wait(self) -> None:
+        self.copy_done.synchronize()
+
+
+def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are several times slower than fp32 on most CPUs
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        tp = config.tp_info
+        set_tp_info(tp)
+        self.device = pick_device(config.device)
+        if is_cuda(self.device):
+            self.device = torch.device("cuda", tp.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            threads = set_cpu_threads(tp.size)
+            logger.info(f"CPU engine: {threads} threads")
+        init_process_group(tp.rank, tp.size, config.dist_init_method, self.device)
+
+        self.model_dir = resolve_model_path(config.model_path)
+        hf_config = load_hf_config(self.model_dir)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
+        self.max_seq_len = self._max_seq_len(hf_config)
+
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = create_model(self.model_config)
+            finally:
+                torch.set_default_dtype(prev)
+        self._load_weights()
+        self.model.eval()
+
+        cfg = self.model_config
+        attn_cfg = AttnConfig(num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
+                              head_dim=cfg.head_dim, max_seq_len=self.max_seq_len, device=self.device,
+                              dtype=self.dtype)
+        self.num_pages = self._plan_pages(attn_cfg)
+        self.kv_pool = KVPool(cfg.num_layers, self.num_pages, config.page_size, attn_cfg.num_kv_heads,
+                              cfg.head_dim, self.dtype, self.device)
+        rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
+        self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
+        self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
+        self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
+        self.ctx = Context(page_size=config.page_size, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+        set_global_ctx(self.ctx)
+        self.sampler = Sampler(self.device)
+        self.graph_runner = None
+        self._init_graphs()
+        logger.info(f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
+                    f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
+                    f"attention {type(self.attn_backend).__name__}")
+
+    # ---- construction ----------------------------------------------------------------------------
+    def _max_seq_len(self, hf_config) -> int:
+        limit = self.model_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True) and "Mistral" in self.model_config.architecture:
+            limit = min(limit, window)  # no sliding-window attention: stay within the window
+        if self.config.max_seq_len:
+            limit = min(limit, self.config.max_seq_len)
+        return limit
+
+    def _load_weights(self) -> None:
+        if self.config.load_format == "dummy":
+            init_dummy_weights(self.model, self.config.seed)
+            return
+        if self.config.load_format not in ("auto", "safetensors"):
+            raise ValueError(f"unknown load_format {self.config.load_format!r} (auto, safetensors, dummy)")
+        show = self.config.show_progress and self.config.tp_info.is_primary()
+        load_weights(self.model, iter_safetensors(self.model_dir, show), show)
+
+    def _plan_pages(self, attn_cfg: AttnConfig) -> int:
+        cfg, page = self.model_config, self.config.page_size
+        per_page = KVPool.bytes_per_page(cfg.num_layers, page, attn_cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.config.num_pages:
+            num = self.config.num_pages
+        elif is_cuda(self.device):
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1 - self.config.mem_fraction) + (1 << 30)  # graphs, activations, sampling
+            num = int(max(0, free - reserve) // per_page)
+            logger.info(f"Memory: {free / 2**30:.1f} GiB free after weights of {total / 2**30:.1f} GiB; "
+                        f"KV pool {num * per_page / 2**30:.1f} GiB")
+        else:
+            num = self.config.cpu_kv_cache_bytes // per_page
+        if num * page < self.max_seq_len // 8 or num < 2:
+            raise ValueError(f"the KV pool holds only {num} pages of {page} tokens; give more memory or pages")
+        return num
+
+    def _init_graphs(self) -> None:
+        try:
+            from .graph import GraphRunner
+        except ImportError:
+            return
+        self.graph_runner = GraphRunner.create(self)
+
+    # ---- compute ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch) -> ForwardOutput:
+        """Run the model on `batch`, sample, write the sampled tokens into the token pool, start the
+        host copy. Returns immediately on a GPU (nothing here waits for the device)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.replay(batch)
+        else:
+            self.attn_backend.prepare_metadata(batch)
+            with self.ctx.forward_batch(batch):
+                hidden = self.model()
+        if batch.logits_idx is not None:
+            hidden = hidden[batch.logits_idx]
+        else:
+            hidden = hidden[: batch.size]
+        logits = self.model.compute_logits(hidden)
+        next_tokens = self.sampler.sample(logits, batch.sampling_info)
+        self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
+        host = torch.empty(next_tokens.shape, dtype=torch.int32, device="cpu", pin_memory=is_cuda(self.device))
+        host.copy_(next_tokens, non_blocking=True)
+        logprobs = None
+        top = batch.sampling_info.top_logprobs
+        if top >= 0:
+            logprobs = tuple(None if t is None else t.to("cpu", non_blocking=True)
+                             for t in self.sampler.logprobs(logits, next_tokens, top))
+        event = create_event(self.device)
+        event.record()
+        return ForwardOutput(next_tokens, host, event, logprobs)
+
+    def shutdown(self) -> None:
+        synchronize(self.device)
+        self.graph_runner = None
+        set_global_ctx(None)
+        for name in ("model", "kv_pool", "page_table", "token_pool", "attn_backend", "ctx"):
+            if hasattr(self, name):
+                delattr(self, name)
+        if is_cuda(self.device):
+            torch.cuda.empty_cache()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

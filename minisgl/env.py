@@ -1,0 +1,33 @@
+"""Environment switches read once at import time (MINISGL_* variables)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class Env:
+    """Typed view of the MINISGL_* environment variables."""
+
+    @property
+    def disable_overlap_scheduling(self) -> bool:
+        return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
+
+    @property
+    def cache_dir(self) -> str:
+        default = os.path.join(os.path.expanduser("~"), ".cache", "minisgl")
+        return os.environ.get("MINISGL_CACHE_DIR", default)
+
+    @property
+    def check_integrity(self) -> bool:
+        """Fail (not just log) when the idle-time KV integrity check finds a leak; tests set it."""
+        return _flag("MINISGL_STRICT_INTEGRITY")
+
+
+ENV = Env()

@@ -1,0 +1,55 @@
+"""Torch reference implementations of every kernel: the CPU path and the oracle for the Triton tests."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 like Hugging Face, cast back before the weight multiply."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """residual += x; return (rms_norm(residual), residual)."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary on q [T, Hq, D] and k [T, Hk, D]; cos_sin_cache is [max_pos, D] (cos | sin halves)
+    in float32. Rotates the first `rot_dim` = cache width of each head."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rot/2]
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        rot = cos.shape[-1]
+        xr, xp = x[..., :rot], x[..., rot:]
+        x1, x2 = xr.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        out = (xr * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write the new tokens' K/V [T, Hkv, D] into the pool rows `out_loc` [T]."""
+    k_cache[out_loc] = k.to(k_cache.dtype)
+    v_cache[out_loc] = v.to(v_cache.dtype)

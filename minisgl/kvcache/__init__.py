@@ -1,0 +1,5 @@
+"""The paged KV pool and the prefix caches (naive, radix)."""
+
+from .pool import KVPool
+
+__all__ = ["KVPool"]

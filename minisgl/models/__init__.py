@@ -1,0 +1,25 @@
+"""Model registry: `config.json`'s `architectures` picks the model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minisgl.utils import Registry
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+MODELS: Registry[type] = Registry("model architecture")
+MODELS.register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")(LlamaForCausalLM)
+MODELS.register("Qwen3ForCausalLM")(Qwen3ForCausalLM)
+
+
+def create_model(cfg: ModelConfig) -> nn.Module:
+    if cfg.architecture not in MODELS:
+        raise ValueError(f"unsupported model architecture {cfg.architecture!r}; "
+                         f"supported: {', '.join(MODELS.names())}")
+    return MODELS.get(cfg.architecture)(cfg)
+
+
+__all__ = ["ModelConfig", "MODELS", "create_model"]

