@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -32,7 +36,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
-        arch = (getattr(hf, "architectures", None) or ["?"])[0]
+        archs = getattr(hf, "architectures", None)
+        model_type = getattr(hf, "model_type", "?")
+        arch = archs[0] if archs else _BY_MODEL_TYPE.get(model_type, f"<none; model_type {model_type!r}>")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope = getattr(hf, "rope_parameters", None) or {}

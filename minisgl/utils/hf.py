@@ -63,7 +63,21 @@ def convert_gguf(gguf_path: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-        model.save_pretrained(tmp)
+        # save_pretrained refuses models loaded from GGUF: write the dequantized tensors ourselves
+        from safetensors.torch import save_file
+
+        os.makedirs(tmp)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                 if not (tied and k == "lm_head.weight")}
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        config.architectures = [type(model).__name__]
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.replace(tmp, out)
         logger.info("GGUF conversion done")

@@ -1,0 +1,36 @@
+"""The naive cache: caches nothing. Each request computes its whole prompt and frees its own KV."""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+
+from .base import BasePrefixCache, MatchResult
+
+_EMPTY = torch.empty(0, dtype=torch.int32)
+
+
+class NaivePrefixCache(BasePrefixCache):
+    def match_prefix(self, token_ids: List[int]) -> MatchResult:
+        return MatchResult(None, 0, _EMPTY)
+
+    def insert(self, token_ids: List[int], slots: torch.Tensor) -> Tuple[Any, torch.Tensor]:
+        return None, _EMPTY
+
+    def lock(self, handle: Any) -> None:
+        pass
+
+    def unlock(self, handle: Any) -> None:
+        pass
+
+    def evict(self, num_pages: int) -> List[int]:
+        return []
+
+    @property
+    def evictable_pages(self) -> int:
+        return 0
+
+    @property
+    def cached_pages(self) -> int:
+        return 0

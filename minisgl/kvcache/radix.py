@@ -1,0 +1,159 @@
+"""The radix prefix cache: a tree of token sequences whose nodes hold the KV slots of their tokens.
+
+Edges are page-aligned (every key is a multiple of page_size long), so a shared prefix is always whole
+pages. Requests lock the node at the end of the prefix they use; locks count up the path to the root.
+Unlocked leaves are evicted least-recently-used first when the pool runs short."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .base import BasePrefixCache, MatchResult
+
+_clock = itertools.count()
+
+
+class RadixNode:
+    __slots__ = ("key", "value", "children", "parent", "ref", "last_access")
+
+    def __init__(self, key: List[int], value: torch.Tensor, parent: Optional["RadixNode"]) -> None:
+        self.key = key  # tokens on the edge from the parent
+        self.value = value  # [len(key)] int32 KV slots
+        self.children: Dict[tuple, RadixNode] = {}
+        self.parent = parent
+        self.ref = 0
+        self.last_access = next(_clock)
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+def _common_len(a: List[int], b: List[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixPrefixCache(BasePrefixCache):
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
+        self.root = RadixNode([], torch.empty(0, dtype=torch.int32), None)
+        self.root.ref = 1  # never evicted
+        self._cached_tokens = 0
+        self._evictable_tokens = 0
+
+    # ---- lookup and insert -----------------------------------------------------------------------
+    def _walk(self, tokens: List[int], split: bool) -> Tuple[RadixNode, int, List[torch.Tensor]]:
+        """Follow `tokens` down the tree page by page; returns (deepest node, matched length, slot parts).
+        A partial match inside an edge splits the edge there (page-aligned) when `split`."""
+        ps, node, pos, parts = self.page_size, self.root, 0, []
+        now = next(_clock)
+        node.last_access = now
+        while pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            common = _common_len(child.key, tokens[pos:pos + len(child.key)]) // ps * ps
+            if common < len(child.key):
+                if not split:
+                    parts.append(child.value[:common])
+                    pos += common
+                    break
+                child = self._split(child, common)
+            child.last_access = now
+            parts.append(child.value)
+            node, pos = child, pos + len(child.key)
+        return node, pos, parts
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut node's edge at `at`: a new parent holds the first part; returns that parent."""
+        parent = node.parent
+        mid = RadixNode(node.key[:at], node.value[:at], parent)
+        mid.ref = node.ref
+        mid.last_access = node.last_access
+        parent.children[tuple(node.key[: self.page_size])] = mid
+        node.key, node.value, node.parent = node.key[at:], node.value[at:], mid
+        mid.children[tuple(node.key[: self.page_size])] = node
+        return mid
+
+    def match_prefix(self, token_ids: List[int]) -> MatchResult:
+        node, length, parts = self._walk(token_ids, split=True)
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
+        return MatchResult(node, length, slots)
+
+    def insert(self, token_ids: List[int], slots: torch.Tensor) -> Tuple[RadixNode, torch.Tensor]:
+        assert len(token_ids) % self.page_size == 0 and len(slots) == len(token_ids)
+        node, pos, parts = self._walk(token_ids, split=True)
+        if pos < len(token_ids):
+            leaf = RadixNode(list(token_ids[pos:]), slots[pos:].clone(), node)
+            node.children[tuple(leaf.key[: self.page_size])] = leaf
+            self._cached_tokens += len(leaf.key)
+            self._evictable_tokens += len(leaf.key)  # unlocked until someone locks it
+            parts.append(leaf.value)
+            node = leaf
+        held = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
+        return node, held
+
+    # ---- locks -----------------------------------------------------------------------------------
+    def lock(self, handle: Optional[RadixNode]) -> None:
+        node = handle
+        while node is not None and node is not self.root:
+            if node.ref == 0:
+                self._evictable_tokens -= len(node.key)
+            node.ref += 1
+            node = node.parent
+
+    def unlock(self, handle: Optional[RadixNode]) -> None:
+        node = handle
+        while node is not None and node is not self.root:
+            assert node.ref > 0, "unlock without lock"
+            node.ref -= 1
+            if node.ref == 0:
+                self._evictable_tokens += len(node.key)
+            node = node.parent
+
+    # ---- eviction --------------------------------------------------------------------------------
+    def _nodes(self) -> List[RadixNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def evict(self, num_pages: int) -> List[int]:
+        ps = self.page_size
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if n.is_leaf() and n.ref == 0 and n is not self.root]
+        heapq.heapify(heap)
+        freed: List[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            freed.extend((node.value[::ps] // ps).tolist())
+            parent = node.parent
+            del parent.children[tuple(node.key[:ps])]
+            self._cached_tokens -= len(node.key)
+            self._evictable_tokens -= len(node.key)
+            if parent is not self.root and parent.is_leaf() and parent.ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable_tokens // self.page_size
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached_tokens // self.page_size
+
+    def all_pages(self) -> List[int]:
+        ps = self.page_size
+        return [p for n in self._nodes() for p in (n.value[::ps] // ps).tolist()]
+
+    def has_locks(self) -> bool:
+        return any(n.ref > 0 for n in self._nodes() if n is not self.root)

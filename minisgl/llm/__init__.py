@@ -1,0 +1,5 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`."""
+
+from .llm import LLM
+
+__all__ = ["LLM"]

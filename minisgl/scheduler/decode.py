@@ -1,0 +1,32 @@
+"""DecodeManager: the running set, and retraction when decode cannot get a KV page."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from minisgl.core import Req
+
+
+class DecodeManager:
+    def __init__(self) -> None:
+        self.running: List[Req] = []
+
+    def add(self, req: Req) -> None:
+        self.running.append(req)
+
+    def remove(self, req: Req) -> None:
+        self.running.remove(req)
+
+    def find(self, uid: int) -> Optional[Req]:
+        for req in self.running:
+            if req.uid == uid:
+                return req
+        return None
+
+    def decodable(self) -> List[Req]:
+        """Requests whose next token is worth computing (the last one may still be in flight)."""
+        return [r for r in self.running if not r.finished and r.device_len < r.max_total_len
+                and r.device_len == r.cached_len + 1]
+
+    def newest(self, candidates: List[Req]) -> Req:
+        return max(candidates, key=lambda r: r.arrival)

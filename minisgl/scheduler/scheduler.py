@@ -1,0 +1,310 @@
+"""The Scheduler: decides what runs each step and where the KV goes; the Engine computes.
+
+One `step()` with overlap scheduling: prepare and launch step N, then (while the device computes it)
+process the results of step N-1. Decode input tokens come from the device token pool, so step N can be
+prepared before step N-1's tokens reach the host. A token computed for a request that finished in the
+meantime is discarded, never reported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine import Engine, ForwardOutput, SamplingInfo
+from minisgl.env import ENV
+from minisgl.utils import init_logger
+from minisgl.utils.device import create_stream, current_stream, is_cuda, use_stream
+
+from .cache import CacheManager
+from .config import SchedulerConfig
+from .decode import DecodeManager
+from .prefill import PrefillManager, PrefillPlan
+from .table import TableManager
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class StepOutput:
+    uid: int
+    token_id: int
+    finished: bool
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    logprob: Optional[float] = None
+    top_logprobs: Optional[List[Tuple[int, float]]] = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config.engine)
+        self.device = self.engine.device
+        self.page_size = config.engine.page_size
+        self.max_seq_len = self.engine.max_seq_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.eos_token_ids = set(self.engine.model_config.eos_token_ids) | set(config.extra_eos_token_ids)
+        self.overlap = (not ENV.disable_overlap_scheduling) if config.overlap is None else config.overlap
+        self.table = TableManager(config.engine.max_running_req)
+        self.cache = CacheManager(self.engine.num_pages, self.page_size, config.cache_type)
+        self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
+        self.decode = DecodeManager()
+        self.reqs: Dict[int, Req] = {}
+        self.stream = create_stream(self.device)  # the engine computes here; batches are prepared on the current stream
+        self._in_flight: Optional[Tuple[Batch, ForwardOutput]] = None
+        self._pending_outputs: List[StepOutput] = []
+        self.num_retractions = 0
+        self.last_batch_size = 0
+        self.max_batch_size = 0
+        self.num_total_pages = self.engine.num_pages
+        self.pool_tokens = self.num_total_pages * self.page_size
+        logger.info(f"Scheduler ready: cache={config.cache_type}, overlap={self.overlap}, "
+                    f"max_prefill_length={config.max_prefill_length}")
+
+    # ---- requests in -----------------------------------------------------------------------------
+    def validate(self, input_ids: List[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request."""
+        params.validate()
+        if len(input_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(input_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(input_ids)} tokens; the maximum sequence length is "
+                             f"{self.max_seq_len} (prompt + at least one generated token)")
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(input_ids) >= self.pool_tokens:
+            raise ValueError(f"the prompt has {len(input_ids)} tokens but the KV pool holds only "
+                             f"{self.pool_tokens}")
+
+    def add_request(self, uid: int, input_ids: List[int], params: SamplingParams) -> None:
+        if uid in self.reqs:
+            raise ValueError(f"request uid {uid} is already in use")
+        input_ids = [int(t) for t in input_ids]
+        self.validate(input_ids, params)
+        req = Req(uid=uid, token_ids=input_ids, sampling_params=params)
+        # a request alone must always fit in the pool, or retraction could not make progress
+        req.max_total_len = min(len(input_ids) + params.max_tokens, self.max_seq_len, self.pool_tokens)
+        self.reqs[uid] = req
+        self.prefill.add(req)
+
+    def abort_request(self, uid: int) -> bool:
+        """Drop a request in any state; its slot and KV are returned at once. False if unknown."""
+        req = self.reqs.get(uid)
+        if req is None:
+            return False
+        if self.prefill.remove(uid) is None:
+            if self.prefill.chunked is req:
+                self.prefill.chunked = None
+            elif req in self.decode.running:
+                self.decode.remove(req)
+            self._release(req)
+        req.finished, req.finish_reason = True, "abort"
+        self.reqs.pop(uid, None)
+        logger.info(f"Aborted request {uid}")
+        return True
+
+    # ---- the step --------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prefill.waiting or self.prefill.chunked or self.decode.running
+                    or self._in_flight or self._pending_outputs)
+
+    @torch.inference_mode()
+    def step(self) -> List[StepOutput]:
+        """Run one step; returns the tokens that became known (the previous step's with overlap)."""
+        batch = self._schedule()
+        out = self._launch(batch) if batch is not None else None
+        results, self._pending_outputs = self._pending_outputs, []
+        if self._in_flight is not None:
+            results += self._process(*self._in_flight)
+            self._in_flight = None
+        if out is not None:
+            if self.overlap:
+                self._in_flight = (batch, out)
+            else:
+                results += self._process(batch, out)
+        return results
+
+    def _launch(self, batch: Batch) -> ForwardOutput:
+        self.last_batch_size = batch.size
+        self.max_batch_size = max(self.max_batch_size, batch.size)
+        self.stream.wait_stream(current_stream(self.device))
+        with use_stream(self.stream):
+            return self.engine.forward_batch(batch)
+
+    def _drain(self) -> None:
+        """Process the step in flight now (before a retraction needs exact host state)."""
+        if self._in_flight is not None:
+            self._pending_outputs += self._process(*self._in_flight)
+            self._in_flight = None
+
+    # ---- scheduling ------------------------------------------------------------------------------
+    def _schedule(self) -> Optional[Batch]:
+        plan = self.prefill.schedule(self.decode.running)
+        if plan is not None:
+            return self._prepare_prefill(plan)
+        return self._prepare_decode()
+
+    def _prepare_prefill(self, plan: PrefillPlan) -> Batch:
+        sample_mask = [p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)]
+        batch = Batch(plan.reqs, "prefill", plan.prefix_lens, plan.extend_lens, sample_mask)
+        positions, input_ids, rows, out_loc = [], [], [], []
+        for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
+            positions.extend(range(prefix, prefix + extend))
+            input_ids.extend(req.token_ids[prefix:prefix + extend])
+            rows.extend([req.table_idx] * extend)
+            out_loc.append(self.cache.slots_of(req.pages, prefix + extend)[prefix:])
+        ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
+        sampled = [i for i, s in enumerate(sample_mask) if s]
+        self._to_device(batch, positions, torch.cat(out_loc).tolist(), rows, input_ids,
+                        logits_idx=ends[sampled].tolist(),
+                        sample_rows=[plan.reqs[i].table_idx for i in sampled],
+                        sample_pos=[plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled])
+        for req, prefix, extend, s in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, sample_mask):
+            req.cached_len = prefix + extend
+            req.device_len = req.cached_len + 1 if s else req.cached_len
+            self.cache.insert(req, req.cached_len)  # later requests (even in this batch) share it
+            if s:
+                self.decode.add(req)
+        return batch
+
+    def _prepare_decode(self) -> Optional[Batch]:
+        reqs = self.decode.decodable()
+        if not reqs:
+            return None
+        ps = self.page_size
+        while True:  # every request needs a page when its next position starts one
+            short = [r for r in reqs if r.cached_len // ps >= len(r.pages)]
+            pages = self.cache.alloc(len(short))
+            if pages is not None:
+                for r, p in zip(short, pages):
+                    r.pages.append(p)
+                break
+            if self._in_flight is not None:
+                self._drain()  # finished requests may free pages; host state becomes exact
+                reqs = self.decode.decodable()
+            else:
+                self._retract(self.decode.newest(reqs))
+                reqs = self.decode.decodable()
+            if not reqs:
+                return None
+        positions = [r.cached_len for r in reqs]
+        out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
+        rows = [r.table_idx for r in reqs]
+        batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
+        self._to_device(batch, positions, out_loc, rows, None, logits_idx=None, sample_rows=rows,
+                        sample_pos=[p + 1 for p in positions])
+        for r in reqs:
+            r.cached_len += 1
+            r.device_len += 1
+        return batch
+
+    def _retract(self, req: Req) -> None:
+        """Out of pages: send the newest request back to the queue, keeping its tokens. Its computed KV
+        goes to the prefix cache, so resuming recomputes only what was evicted meanwhile."""
+        logger.warning(f"KV pool full: retracting request {req.uid} ({len(req.token_ids)} tokens) to the queue")
+        self.num_retractions += 1
+        self.decode.remove(req)
+        self._release(req)
+        req.cached_len = req.device_len = 0
+        self.prefill.add(req, front=True)
+
+    def _release(self, req: Req) -> None:
+        self.cache.release(req)
+        if req.table_idx >= 0:
+            self.table.free(req.table_idx)
+            req.table_idx = -1
+
+    def _to_device(self, batch: Batch, positions: List[int], out_loc: List[int], rows: List[int],
+                   input_ids: Optional[List[int]], logits_idx: Optional[List[int]], sample_rows: List[int],
+                   sample_pos: List[int]) -> None:
+        """Pack the step's host integers into one tensor, copy it to the device in one go, and fill in
+        the batch's device tensors and the page table."""
+        table_idx = [r.table_idx for r in batch.reqs]
+        seq_lens = batch.seq_lens
+        parts = [positions, out_loc, rows, table_idx, seq_lens, sample_rows, sample_pos,
+                 logits_idx or [], input_ids or []]
+        host = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+        if is_cuda(self.device):
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        (pos_t, loc_t, rows_t, tidx_t, lens_t, srows_t, spos_t, lidx_t, ids_t) = dev.split([len(p) for p in parts])
+        batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t = pos_t, loc_t, tidx_t, lens_t
+        batch.sample_table_idx, batch.sample_pos = srows_t, spos_t
+        batch.logits_idx = lidx_t.long() if logits_idx is not None else None
+        self.engine.page_table[rows_t, pos_t] = loc_t
+        if input_ids is not None:
+            batch.input_ids = ids_t
+        else:  # decode: the input is the token sampled last step, already in the device token pool
+            batch.input_ids = self.engine.token_pool[tidx_t, pos_t]
+        sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
+        batch.sampling_info = SamplingInfo.build(sampled, sample_pos, self.vocab_size, self.device)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def _process(self, batch: Batch, out: ForwardOutput) -> List[StepOutput]:
+        out.wait()  # the only host synchronisation of a step
+        tokens = out.next_tokens_host.tolist()
+        logprobs = out.logprobs_host
+        results: List[StepOutput] = []
+        j = -1
+        for req, sampled in zip(batch.reqs, batch.sample_mask):
+            if not sampled:
+                continue
+            j += 1
+            if req.finished:  # finished or aborted after this step was launched: discard
+                continue
+            token = tokens[j]
+            req.token_ids.append(token)
+            finish = self._finish_reason(req, token)
+            res = StepOutput(req.uid, token, finish is not None, finish)
+            if logprobs is not None and req.sampling_params.logprobs:
+                res.logprob = float(logprobs[0][j])
+                k = req.sampling_params.top_logprobs
+                if k and logprobs[1] is not None:
+                    res.top_logprobs = list(zip(logprobs[2][j, :k].tolist(), logprobs[1][j, :k].tolist()))
+            results.append(res)
+            if finish is not None:
+                req.finished, req.finish_reason = True, finish
+                self.decode.remove(req)
+                self._release(req)
+                self.reqs.pop(req.uid, None)
+        return results
+
+    def _finish_reason(self, req: Req, token: int) -> Optional[str]:
+        params = req.sampling_params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if len(req.token_ids) >= req.max_total_len:
+            return "length"
+        return None
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def num_free_pages(self) -> int:
+        return self.cache.num_free
+
+    def stats(self) -> Dict[str, float]:
+        s = dict(self.prefill.stats)
+        used = self.num_total_pages - self.cache.num_free
+        s.update(num_running=len(self.decode.running) + (1 if self.prefill.chunked else 0),
+                 num_waiting=len(self.prefill.waiting), kv_used_pages=used, kv_total_pages=self.num_total_pages,
+                 kv_cached_pages=self.cache.cache.cached_pages, num_retractions=self.num_retractions,
+                 last_batch_size=self.last_batch_size, max_batch_size=self.max_batch_size)
+        return s
+
+    def check_integrity(self) -> None:
+        """Call when idle: every page must be free or held by the cache, every slot free."""
+        assert not self.has_work, "integrity is checked when idle"
+        problem = self.cache.check_integrity()
+        if problem is None and self.table.num_free != self.table.capacity:
+            problem = f"{self.table.capacity - self.table.num_free} request slots still taken"
+        if problem is not None:
+            logger.error(f"KV INTEGRITY CHECK FAILED: {problem}")
+            raise AssertionError(problem)
+
+    def shutdown(self) -> None:
+        self._in_flight = None
+        self.engine.shutdown()
