@@ -56,17 +56,18 @@ class TorchAttnBackend(BaseAttnBackend):
         meta: TorchAttnMetadata = batch.attn_metadata
         gqa = q.shape[1] != k.shape[1]
         if batch.is_decode:
-            idx = meta.kv_indices
-            keys = k_cache[idx].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_cache[idx].transpose(1, 2)
+            idx = meta.kv_indices.flatten()  # index_select is several times faster than k_cache[idx]
+            shape = (*meta.kv_indices.shape, *k_cache.shape[1:])
+            keys = k_cache.index_select(0, idx).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_cache.index_select(0, idx).view(shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
                                                  attn_mask=meta.kv_mask, scale=self.scale, enable_gqa=gqa)
             return out.squeeze(2)
         out = torch.empty_like(q)
         for i, (start, extend, total, mask) in enumerate(meta.segments):
             idx = meta.kv_indices[i, :total]
-            keys = k_cache[idx].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            values = v_cache[idx].transpose(0, 1).to(q.dtype)
+            keys = k_cache.index_select(0, idx).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+            values = v_cache.index_select(0, idx).transpose(0, 1).to(q.dtype)
             qi = q[start:start + extend].transpose(0, 1)  # [Hq, E, D]
             o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale, enable_gqa=gqa)

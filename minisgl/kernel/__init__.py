@@ -6,13 +6,15 @@ reference path. `use_triton(False)` forces the reference (the tests compare the 
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import reference as ref
 
 _TRITON_ENABLED = True
+_CPU_SMALL_M = 64
 
 
 def use_triton(enabled: bool) -> None:
@@ -33,6 +35,15 @@ def _triton_ops():
 
 def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x W^T (+ b). On a CPU with few rows, W @ x^T picks a GEMM path that is measured to be 20-60%
+    faster with MKL (the LM head most of all); everywhere else, F.linear."""
+    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= _CPU_SMALL_M and x.dtype == torch.float32:
+        y = torch.mm(weight, x.t()).t().contiguous()  # later kernels want unit stride on the last dim
+        return y.add_(bias) if bias is not None else y
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

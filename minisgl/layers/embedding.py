@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl import kernel
+
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 
 
@@ -40,7 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h W^T over this rank's vocab slice, gathered to the full vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = kernel.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from minisgl import kernel
 
 from minisgl.distributed import all_reduce, get_tp_info
 
@@ -46,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.offsets[part], size).copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernel.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -88,4 +89,4 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(loaded.narrow(1, self.tp_rank * self.input_shard, self.input_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias))
+        return all_reduce(kernel.linear(x, self.weight, self.bias))

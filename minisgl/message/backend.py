@@ -1,0 +1,44 @@
+"""Messages to the scheduler (rank 0 receives them and forwards them verbatim to the other ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Union
+
+import torch
+
+from minisgl.core import SamplingParams
+
+from .serialize import serializable
+
+
+@serializable
+@dataclass
+class UserMsg:
+    """A tokenized request. With `max_tokens_auto` (the client gave no max_tokens) the sampling params'
+    max_tokens is only a ceiling: the scheduler lowers it to what the context length leaves after the prompt
+    instead of rejecting the request."""
+
+    uid: int
+    input_ids: torch.Tensor  # [prompt_len] int32
+    sampling_params: SamplingParams
+    max_tokens_auto: bool = False
+
+
+@serializable
+@dataclass
+class AbortMsg:
+    """Stop a request and free its slot and KV (a client went away, or a stop string was hit)."""
+
+    uid: int
+
+
+BackendMsg = Union[UserMsg, AbortMsg]
+
+
+@serializable
+@dataclass
+class BatchBackendMsg:
+    """Everything rank 0 received in one loop iteration; the other ranks apply exactly this list."""
+
+    msgs: List[BackendMsg] = field(default_factory=list)

@@ -1,0 +1,42 @@
+"""Messages to the API server (or the shell)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from .serialize import serializable
+
+
+@serializable
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the most likely alternatives, as text."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: List[Tuple[str, int, float]] = field(default_factory=list)  # (token, token_id, logprob)
+
+
+@serializable
+@dataclass
+class UserReply:
+    """New text of one request. `text` never ends inside a UTF-8 character nor inside a possible stop
+    string; on the last reply `finished` is set and the usage counts are final."""
+
+    uid: int
+    text: str = ""
+    token_ids: List[int] = field(default_factory=list)  # the tokens that arrived with this reply
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: Optional[List[TokenLogprob]] = None
+    error: Optional[str] = None  # a rejected request: the message names the problem
+
+
+@serializable
+@dataclass
+class BatchFrontendMsg:
+    replies: List[UserReply] = field(default_factory=list)

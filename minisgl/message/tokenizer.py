@@ -1,0 +1,69 @@
+"""Messages to the tokenizer / detokenizer worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from minisgl.core import SamplingParams
+
+from .serialize import serializable
+
+
+@serializable
+@dataclass
+class TokenizeMsg:
+    """A request from the API server. Exactly one of `text` (plain prompt), `messages` (chat, goes through the
+    chat template) and `input_ids` (already tokenized) is set."""
+
+    uid: int
+    sampling_params: SamplingParams
+    text: Optional[str] = None
+    messages: Optional[List[Dict[str, Any]]] = None
+    input_ids: Optional[List[int]] = None
+    stop: List[str] = field(default_factory=list)  # stop strings, applied by the detokenizer
+    max_tokens_auto: bool = False
+
+
+@serializable
+@dataclass
+class DetokenizeStartMsg:
+    """Tokenizer -> detokenizer (when they are separate processes): what it needs to know about a new request."""
+
+    uid: int
+    prompt_len: int
+    prompt_tail: List[int] = field(default_factory=list)  # the last prompt tokens: decoding context
+    stop: List[str] = field(default_factory=list)
+    stop_token_ids: List[int] = field(default_factory=list)
+    logprobs: bool = False
+
+
+@serializable
+@dataclass
+class DetokenizeMsg:
+    """Scheduler -> detokenizer: one new token of one request, or (with `error`) a rejected request."""
+
+    uid: int
+    token_id: int = -1  # -1: no token (an abort or an error)
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    logprob: Optional[float] = None
+    top_logprobs: Optional[List[Tuple[int, float]]] = None
+    error: Optional[str] = None
+
+
+@serializable
+@dataclass
+class BatchDetokenizeMsg:
+    """Every token one scheduler step produced, in one message."""
+
+    msgs: List[DetokenizeMsg] = field(default_factory=list)
+
+
+@serializable
+@dataclass
+class StatsMsg:
+    """Scheduler statistics (Scheduler.stats() plus the IO loop's counters), forwarded to the API server
+    for /metrics."""
+
+    stats: Dict[str, float] = field(default_factory=dict)

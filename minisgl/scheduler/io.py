@@ -1,0 +1,171 @@
+"""The scheduler process's IO loop: requests in over ZMQ, one scheduling step, tokens out.
+
+Only rank 0 talks to the tokenizer side. Every loop iteration it forwards what it received (possibly
+nothing) verbatim to the other ranks over PUB/SUB, and every rank applies the same messages before the
+same step, so all ranks make identical decisions. Idle ranks block on their socket; busy ranks only poll.
+This module is the service's: the offline path (LLM) never imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+from minisgl.env import ENV
+from minisgl.message import (
+    AbortMsg,
+    BackendMsg,
+    BatchBackendMsg,
+    BatchDetokenizeMsg,
+    DetokenizeMsg,
+    StatsMsg,
+    UserMsg,
+    dumps,
+    loads,
+)
+from minisgl.utils import init_logger
+from minisgl.utils.zmq_queue import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
+
+from .scheduler import Scheduler
+
+logger = init_logger(__name__)
+
+STATS_INTERVAL = 0.5  # seconds between statistics updates to the API server while busy
+ABORT_MEMORY = 600.0  # seconds an abort for a not-yet-seen uid is remembered (N tokenizers can reorder)
+
+
+class SchedulerIO:
+    """Drives one Scheduler from ZMQ messages. Rank 0 binds `backend_addr` (PULL) and the broadcast
+    address (PUB); it pushes results to `detokenizer_addr`. Other ranks only subscribe."""
+
+    def __init__(self, scheduler: Scheduler, backend_addr: str, detokenizer_addr: str, broadcast_addr: str,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.scheduler = scheduler
+        self.rank, self.world_size = rank, world_size
+        self.recv: Optional[ZmqPullQueue[BackendMsg]] = None
+        self.send: Optional[ZmqPushQueue[Any]] = None
+        self.pub: Optional[ZmqPubQueue[BatchBackendMsg]] = None
+        self.sub: Optional[ZmqSubQueue[BatchBackendMsg]] = None
+        if rank == 0:
+            self.recv = ZmqPullQueue(backend_addr, create=True, decoder=loads)
+            self.send = ZmqPushQueue(detokenizer_addr, create=False, encoder=dumps)
+            if world_size > 1:
+                self.pub = ZmqPubQueue(broadcast_addr, encoder=dumps)
+        else:
+            self.sub = ZmqSubQueue(broadcast_addr, decoder=loads)
+        self.live: set[int] = set()  # uids added and not finished
+        self.early_aborts: Dict[int, float] = {}  # aborts that arrived before their request
+        self.outbox: List[DetokenizeMsg] = []  # replies produced outside step(): errors, aborts
+        self.idle_checked = True
+        self.last_stats = 0.0
+        self.counters = dict(integrity_checks=0, integrity_failures=0, aborted_requests=0, rejected_requests=0)
+
+    def wait_for_ranks(self, timeout: float = 600.0) -> None:
+        """Rank 0: return once every other rank subscribed (a message sent earlier would be lost)."""
+        if self.pub is not None:
+            self.pub.wait_for_subscribers(self.world_size - 1, timeout)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while True:
+            self.run_once()
+
+    def run_once(self) -> None:
+        for msg in self._receive(blocking=not self.scheduler.has_work):
+            self._apply(msg)
+        outputs: List[DetokenizeMsg] = []
+        if self.scheduler.has_work:
+            self.idle_checked = False
+            for out in self.scheduler.step():
+                if out.finished:
+                    self.live.discard(out.uid)
+                outputs.append(DetokenizeMsg(out.uid, out.token_id, out.finished, out.finish_reason,
+                                             out.logprob, out.top_logprobs))
+        outputs, self.outbox = self.outbox + outputs, []
+        if self.send is not None and outputs:
+            self.send.put(BatchDetokenizeMsg(outputs))
+        if not self.scheduler.has_work and not self.idle_checked:
+            self.idle_checked = True
+            self._check_integrity()
+            self._send_stats()
+        elif time.monotonic() - self.last_stats > STATS_INTERVAL:
+            self._send_stats()
+
+    def _receive(self, blocking: bool) -> List[BackendMsg]:
+        if self.sub is not None:  # rank > 0: exactly one batch per iteration, in rank 0's order
+            batch = self.sub.get()
+            assert isinstance(batch, BatchBackendMsg)
+            return batch.msgs
+        assert self.recv is not None
+        msgs = [self.recv.get()] if blocking else []
+        msgs += self.recv.get_all()
+        if self.pub is not None:
+            self.pub.put(BatchBackendMsg(msgs))  # even when empty: the other ranks step in lockstep
+        return msgs
+
+    def _apply(self, msg: BackendMsg) -> None:
+        if isinstance(msg, UserMsg):
+            self._add(msg)
+        elif isinstance(msg, AbortMsg):
+            self._abort(msg.uid)
+        else:
+            raise TypeError(f"the scheduler cannot handle {type(msg).__name__}")
+
+    def _add(self, msg: UserMsg) -> None:
+        if self.early_aborts.pop(msg.uid, None) is not None:  # its client is already gone
+            self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason="abort"))
+            return
+        input_ids = msg.input_ids.tolist()
+        params = msg.sampling_params
+        max_len = self.scheduler.max_seq_len
+        try:
+            if msg.max_tokens_auto:  # max_tokens is only a ceiling: the context may leave less
+                params.max_tokens = max(1, min(params.max_tokens, max_len - len(input_ids)))
+            elif len(input_ids) + params.max_tokens > max_len:
+                raise ValueError(f"the prompt has {len(input_ids)} tokens and max_tokens is {params.max_tokens}: "
+                                 f"together more than the context length {max_len}; lower max_tokens or "
+                                 "shorten the prompt")
+            self.scheduler.add_request(msg.uid, input_ids, params)
+        except ValueError as e:  # the same on every rank: each one skips the request
+            self.counters["rejected_requests"] += 1
+            self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason="error", error=str(e)))
+            return
+        self.live.add(msg.uid)
+
+    def _abort(self, uid: int) -> None:
+        if uid in self.live:
+            self.live.discard(uid)
+            self.scheduler.abort_request(uid)
+            self.counters["aborted_requests"] += 1
+            # the detokenizer frees its state for this uid on a finished message
+            self.outbox.append(DetokenizeMsg(uid, finished=True, finish_reason="abort"))
+            return
+        now = time.monotonic()  # finished already, or its request is still on the way
+        self.early_aborts[uid] = now
+        if len(self.early_aborts) > 1024:
+            self.early_aborts = {u: t for u, t in self.early_aborts.items() if now - t < ABORT_MEMORY}
+
+    def _check_integrity(self) -> None:
+        """Idle: every KV page must be free or held by the prefix cache. A leak is logged loudly; with
+        MINISGL_STRICT_INTEGRITY=1 it also stops the service."""
+        self.counters["integrity_checks"] += 1
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as e:
+            self.counters["integrity_failures"] += 1
+            logger.error(f"!!! KV INTEGRITY CHECK FAILED on rank {self.rank}: {e} !!!")
+            if ENV.check_integrity:
+                raise
+
+    def _send_stats(self) -> None:
+        self.last_stats = time.monotonic()
+        if self.send is None:
+            return
+        stats = {k: float(v) for k, v in self.scheduler.stats().items() if isinstance(v, (int, float))}
+        stats.update({k: float(v) for k, v in self.counters.items()})
+        self.send.put(StatsMsg(stats))
+
+    def stop(self) -> None:
+        for q in (self.recv, self.send, self.pub, self.sub):
+            if q is not None:
+                q.stop()
