@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Union
 
 import torch
 
@@ -33,7 +32,7 @@ class AbortMsg:
     uid: int
 
 
-BackendMsg = Union[UserMsg, AbortMsg]
+BackendMsg = UserMsg | AbortMsg
 
 
 @serializable
@@ -41,4 +40,4 @@ BackendMsg = Union[UserMsg, AbortMsg]
 class BatchBackendMsg:
     """Everything rank 0 received in one loop iteration; the other ranks apply exactly this list."""
 
-    msgs: List[BackendMsg] = field(default_factory=list)
+    msgs: list[BackendMsg] = field(default_factory=list)

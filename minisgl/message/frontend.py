@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
 
 from .serialize import serializable
 
@@ -16,7 +15,7 @@ class TokenLogprob:
     token: str
     token_id: int
     logprob: float
-    top: List[Tuple[str, int, float]] = field(default_factory=list)  # (token, token_id, logprob)
+    top: list[tuple[str, int, float]] = field(default_factory=list)  # (token, token_id, logprob)
 
 
 @serializable
@@ -27,16 +26,16 @@ class UserReply:
 
     uid: int
     text: str = ""
-    token_ids: List[int] = field(default_factory=list)  # the tokens that arrived with this reply
+    token_ids: list[int] = field(default_factory=list)  # the tokens that arrived with this reply
     finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: Optional[List[TokenLogprob]] = None
-    error: Optional[str] = None  # a rejected request: the message names the problem
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # a rejected request: the message names the problem
 
 
 @serializable
 @dataclass
 class BatchFrontendMsg:
-    replies: List[UserReply] = field(default_factory=list)
+    replies: list[UserReply] = field(default_factory=list)

@@ -7,7 +7,8 @@ shape. Only registered classes can be rebuilt, so a peer cannot make this proces
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Type, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgpack
 import torch
@@ -16,10 +17,10 @@ T = TypeVar("T")
 
 _TYPE_KEY = "\x00type"  # keys no user payload (chat messages, stats) will ever use
 _TENSOR_KEY = "\x00tensor"
-_CLASSES: Dict[str, Type[Any]] = {}
+_CLASSES: dict[str, type[Any]] = {}
 
 
-def serializable(cls: Type[T]) -> Type[T]:
+def serializable(cls: type[T]) -> type[T]:
     """Register a dataclass so that `dumps`/`loads` can carry it (decorator)."""
     assert dataclasses.is_dataclass(cls), f"{cls.__name__} must be a dataclass"
     name = cls.__name__
@@ -46,11 +47,13 @@ def _encode(obj: Any) -> Any:
     raise TypeError(f"cannot serialize an object of type {type(obj).__name__}")
 
 
-def _decode(obj: Dict[Any, Any]) -> Any:
+def _decode(obj: dict[Any, Any]) -> Any:
     """msgpack's `object_hook`: rebuilds tagged maps, innermost first."""
     if _TENSOR_KEY in obj:
         dtype, shape, raw = obj[_TENSOR_KEY]
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
         return flat.view(getattr(torch, dtype)).reshape(shape)
     name = obj.pop(_TYPE_KEY, None)
     if name is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from minisgl.core import SamplingParams
 
@@ -18,10 +18,10 @@ class TokenizeMsg:
 
     uid: int
     sampling_params: SamplingParams
-    text: Optional[str] = None
-    messages: Optional[List[Dict[str, Any]]] = None
-    input_ids: Optional[List[int]] = None
-    stop: List[str] = field(default_factory=list)  # stop strings, applied by the detokenizer
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, applied by the detokenizer
     max_tokens_auto: bool = False
 
 
@@ -32,9 +32,9 @@ class DetokenizeStartMsg:
 
     uid: int
     prompt_len: int
-    prompt_tail: List[int] = field(default_factory=list)  # the last prompt tokens: decoding context
-    stop: List[str] = field(default_factory=list)
-    stop_token_ids: List[int] = field(default_factory=list)
+    prompt_tail: list[int] = field(default_factory=list)  # the last prompt tokens: decoding context
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
 
 
@@ -46,10 +46,10 @@ class DetokenizeMsg:
     uid: int
     token_id: int = -1  # -1: no token (an abort or an error)
     finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
-    logprob: Optional[float] = None
-    top_logprobs: Optional[List[Tuple[int, float]]] = None
-    error: Optional[str] = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
 
 
 @serializable
@@ -57,7 +57,7 @@ class DetokenizeMsg:
 class BatchDetokenizeMsg:
     """Every token one scheduler step produced, in one message."""
 
-    msgs: List[DetokenizeMsg] = field(default_factory=list)
+    msgs: list[DetokenizeMsg] = field(default_factory=list)
 
 
 @serializable
@@ -66,4 +66,4 @@ class StatsMsg:
     """Scheduler statistics (Scheduler.stats() plus the IO loop's counters), forwarded to the API server
     for /metrics."""
 
-    stats: Dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)

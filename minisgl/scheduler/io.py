@@ -9,7 +9,7 @@ This module is the service's: the offline path (LLM) never imports it.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from minisgl.env import ENV
 from minisgl.message import (
@@ -38,14 +38,21 @@ class SchedulerIO:
     """Drives one Scheduler from ZMQ messages. Rank 0 binds `backend_addr` (PULL) and the broadcast
     address (PUB); it pushes results to `detokenizer_addr`. Other ranks only subscribe."""
 
-    def __init__(self, scheduler: Scheduler, backend_addr: str, detokenizer_addr: str, broadcast_addr: str,
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        backend_addr: str,
+        detokenizer_addr: str,
+        broadcast_addr: str,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         self.scheduler = scheduler
         self.rank, self.world_size = rank, world_size
-        self.recv: Optional[ZmqPullQueue[BackendMsg]] = None
-        self.send: Optional[ZmqPushQueue[Any]] = None
-        self.pub: Optional[ZmqPubQueue[BatchBackendMsg]] = None
-        self.sub: Optional[ZmqSubQueue[BatchBackendMsg]] = None
+        self.recv: ZmqPullQueue[BackendMsg] | None = None
+        self.send: ZmqPushQueue[Any] | None = None
+        self.pub: ZmqPubQueue[BatchBackendMsg] | None = None
+        self.sub: ZmqSubQueue[BatchBackendMsg] | None = None
         if rank == 0:
             self.recv = ZmqPullQueue(backend_addr, create=True, decoder=loads)
             self.send = ZmqPushQueue(detokenizer_addr, create=False, encoder=dumps)
@@ -54,11 +61,16 @@ class SchedulerIO:
         else:
             self.sub = ZmqSubQueue(broadcast_addr, decoder=loads)
         self.live: set[int] = set()  # uids added and not finished
-        self.early_aborts: Dict[int, float] = {}  # aborts that arrived before their request
-        self.outbox: List[DetokenizeMsg] = []  # replies produced outside step(): errors, aborts
+        self.early_aborts: dict[int, float] = {}  # aborts that arrived before their request
+        self.outbox: list[DetokenizeMsg] = []  # replies produced outside step(): errors, aborts
         self.idle_checked = True
         self.last_stats = 0.0
-        self.counters = dict(integrity_checks=0, integrity_failures=0, aborted_requests=0, rejected_requests=0)
+        self.counters = {
+            "integrity_checks": 0,
+            "integrity_failures": 0,
+            "aborted_requests": 0,
+            "rejected_requests": 0,
+        }
 
     def wait_for_ranks(self, timeout: float = 600.0) -> None:
         """Rank 0: return once every other rank subscribed (a message sent earlier would be lost)."""
@@ -73,14 +85,17 @@ class SchedulerIO:
     def run_once(self) -> None:
         for msg in self._receive(blocking=not self.scheduler.has_work):
             self._apply(msg)
-        outputs: List[DetokenizeMsg] = []
+        outputs: list[DetokenizeMsg] = []
         if self.scheduler.has_work:
             self.idle_checked = False
             for out in self.scheduler.step():
                 if out.finished:
                     self.live.discard(out.uid)
-                outputs.append(DetokenizeMsg(out.uid, out.token_id, out.finished, out.finish_reason,
-                                             out.logprob, out.top_logprobs))
+                outputs.append(
+                    DetokenizeMsg(
+                        out.uid, out.token_id, out.finished, out.finish_reason, out.logprob, out.top_logprobs
+                    )
+                )
         outputs, self.outbox = self.outbox + outputs, []
         if self.send is not None and outputs:
             self.send.put(BatchDetokenizeMsg(outputs))
@@ -91,7 +106,7 @@ class SchedulerIO:
         elif time.monotonic() - self.last_stats > STATS_INTERVAL:
             self._send_stats()
 
-    def _receive(self, blocking: bool) -> List[BackendMsg]:
+    def _receive(self, blocking: bool) -> list[BackendMsg]:
         if self.sub is not None:  # rank > 0: exactly one batch per iteration, in rank 0's order
             batch = self.sub.get()
             assert isinstance(batch, BatchBackendMsg)
@@ -122,9 +137,11 @@ class SchedulerIO:
             if msg.max_tokens_auto:  # max_tokens is only a ceiling: the context may leave less
                 params.max_tokens = max(1, min(params.max_tokens, max_len - len(input_ids)))
             elif len(input_ids) + params.max_tokens > max_len:
-                raise ValueError(f"the prompt has {len(input_ids)} tokens and max_tokens is {params.max_tokens}: "
-                                 f"together more than the context length {max_len}; lower max_tokens or "
-                                 "shorten the prompt")
+                raise ValueError(
+                    f"the prompt has {len(input_ids)} tokens and max_tokens is {params.max_tokens}: "
+                    f"together more than the context length {max_len}; lower max_tokens or "
+                    "shorten the prompt"
+                )
             self.scheduler.add_request(msg.uid, input_ids, params)
         except ValueError as e:  # the same on every rank: each one skips the request
             self.counters["rejected_requests"] += 1

@@ -11,17 +11,34 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minisgl.core import SamplingParams
-from minisgl.message import AbortMsg, BatchFrontendMsg, StatsMsg, TokenizeMsg, TokenLogprob, UserReply, dumps, loads
+from minisgl.message import (
+    AbortMsg,
+    BatchFrontendMsg,
+    StatsMsg,
+    TokenizeMsg,
+    TokenLogprob,
+    UserReply,
+    dumps,
+    loads,
+)
 from minisgl.utils import init_logger
 from minisgl.utils.zmq_queue import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
@@ -37,13 +54,19 @@ NO_LIMIT = 1 << 30  # max_tokens when the client gives none: the context length 
 class APIError(Exception):
     """A client mistake: HTTP 400 with an OpenAI-style error object naming the field."""
 
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, code: str | None = None, status: int = 400
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
 
     def response(self) -> JSONResponse:
-        err = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}
+        err = {
+            "message": self.message,
+            "type": "invalid_request_error",
+            "param": self.param,
+            "code": self.code,
+        }
         return JSONResponse({"error": err}, status_code=self.status)
 
 
@@ -58,52 +81,52 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: Optional[bool] = None
+    include_usage: bool | None = None
 
 
 class _Sampling(_Body):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    n: Optional[int] = None
-    stop: Union[str, List[Union[str, int]], None] = None
-    stop_token_ids: Optional[List[int]] = None
-    seed: Optional[int] = None
-    stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
-    ignore_eos: Optional[bool] = None
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stop: str | list[str | int] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
 
 
 class ContentPart(_Body):
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(_Body):
     role: str
-    content: Union[str, List[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: List[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, List[int], List[str], List[List[int]]]
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
 
 
 class GenerateRequest(_Body):
-    text: Union[str, List[str], None] = None
-    input_ids: Union[List[int], List[List[int]], None] = None
-    sampling_params: Optional[Dict[str, Any]] = None
-    stream: Optional[bool] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool | None = None
 
 
 _TYPE_HINTS = {
@@ -128,7 +151,7 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(msg, param, "invalid_type")
 
 
-async def _read_json(request: Request, limit: int) -> Dict[str, Any]:
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; a body over `limit` bytes is drained (so the client can read the
     answer) and refused."""
     size = 0
@@ -138,8 +161,11 @@ async def _read_json(request: Request, limit: int) -> Dict[str, Any]:
         if size <= limit:
             body += chunk
     if size > limit:
-        raise APIError(f"the request body has {size} bytes; the limit is {limit} (--max-request-bytes)",
-                       None, "request_too_large")
+        raise APIError(
+            f"the request body has {size} bytes; the limit is {limit} (--max-request-bytes)",
+            None,
+            "request_too_large",
+        )
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -149,7 +175,7 @@ async def _read_json(request: Request, limit: int) -> Dict[str, Any]:
     return data
 
 
-def _parse(model: type, data: Dict[str, Any]) -> Any:
+def _parse(model: type, data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -160,7 +186,7 @@ def _parse(model: type, data: Dict[str, Any]) -> Any:
 @dataclass
 class Sampling:
     params: SamplingParams
-    stop: List[str]
+    stop: list[str]
     max_tokens_auto: bool
     n: int
 
@@ -168,19 +194,39 @@ class Sampling:
         """Choice i of n: its own seed (seed + i), so the choices differ yet are reproducible."""
         p = self.params
         seed = None if p.seed is None else p.seed + i
-        return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_tokens=p.max_tokens,
-                              ignore_eos=p.ignore_eos, seed=seed, stop_token_ids=list(p.stop_token_ids),
-                              logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+        return SamplingParams(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            max_tokens=p.max_tokens,
+            ignore_eos=p.ignore_eos,
+            seed=seed,
+            stop_token_ids=list(p.stop_token_ids),
+            logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs,
+        )
 
 
-def _sampling(max_tokens: Optional[int], max_tokens_param: str, temperature: Optional[float],
-              top_p: Optional[float], top_k: Optional[int], n: Optional[int], stop: Any,
-              stop_token_ids: Optional[List[int]], seed: Optional[int], ignore_eos: Optional[bool],
-              logprobs: bool, top_logprobs: int, default_temperature: float = 1.0) -> Sampling:
+def _sampling(
+    max_tokens: int | None,
+    max_tokens_param: str,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    n: int | None,
+    stop: Any,
+    stop_token_ids: list[int] | None,
+    seed: int | None,
+    ignore_eos: bool | None,
+    logprobs: bool,
+    top_logprobs: int,
+    default_temperature: float = 1.0,
+) -> Sampling:
     """Check every field (naming the bad one) and build the SamplingParams."""
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"'{max_tokens_param}' must be at least 1, got {max_tokens}", max_tokens_param,
-                       "invalid_value")
+        raise APIError(
+            f"'{max_tokens_param}' must be at least 1, got {max_tokens}", max_tokens_param, "invalid_value"
+        )
     temperature = default_temperature if temperature is None else temperature
     if not temperature >= 0:  # also rejects NaN
         raise APIError(f"'temperature' must be >= 0, got {temperature}", "temperature", "invalid_value")
@@ -189,7 +235,9 @@ def _sampling(max_tokens: Optional[int], max_tokens_param: str, temperature: Opt
         raise APIError(f"'top_p' must be in (0, 1], got {top_p}", "top_p", "invalid_value")
     top_k = -1 if top_k in (None, 0) else top_k
     if top_k < -1:
-        raise APIError(f"'top_k' must be -1 or 0 (no limit) or positive, got {top_k}", "top_k", "invalid_value")
+        raise APIError(
+            f"'top_k' must be -1 or 0 (no limit) or positive, got {top_k}", "top_k", "invalid_value"
+        )
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
         raise APIError(f"'n' must be in [1, {MAX_N}], got {n}", "n", "invalid_value")
@@ -199,11 +247,20 @@ def _sampling(max_tokens: Optional[int], max_tokens_param: str, temperature: Opt
     if any(t < 0 for t in stop_ids):
         raise APIError("stop token ids must be >= 0", "stop", "invalid_value")
     if not 0 <= top_logprobs <= 20:
-        raise APIError(f"'top_logprobs' must be in [0, 20], got {top_logprobs}", "top_logprobs", "invalid_value")
-    params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                            max_tokens=NO_LIMIT if max_tokens is None else max_tokens,
-                            ignore_eos=bool(ignore_eos), seed=seed, stop_token_ids=stop_ids,
-                            logprobs=logprobs, top_logprobs=top_logprobs)
+        raise APIError(
+            f"'top_logprobs' must be in [0, 20], got {top_logprobs}", "top_logprobs", "invalid_value"
+        )
+    params = SamplingParams(
+        temperature=float(temperature),
+        top_k=top_k,
+        top_p=float(top_p),
+        max_tokens=NO_LIMIT if max_tokens is None else max_tokens,
+        ignore_eos=bool(ignore_eos),
+        seed=seed,
+        stop_token_ids=stop_ids,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
     try:
         params.validate()
     except ValueError as e:
@@ -211,17 +268,22 @@ def _sampling(max_tokens: Optional[int], max_tokens_param: str, temperature: Opt
     return Sampling(params, stop_strings, max_tokens is None, n)
 
 
-def _chat_messages(req: ChatCompletionRequest) -> List[Dict[str, str]]:
+def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     if not req.messages:
         raise APIError("'messages' must not be empty", "messages", "invalid_value")
     out = []
     for i, m in enumerate(req.messages):
         if m.role not in ("system", "user", "assistant", "tool", "developer"):
-            raise APIError(f"messages[{i}].role must be system, user, assistant, tool or developer, got {m.role!r}",
-                           f"messages[{i}].role", "invalid_value")
+            raise APIError(
+                f"messages[{i}].role must be system, user, assistant, tool or developer, got {m.role!r}",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
         if isinstance(m.content, list):
             if any(p.type != "text" or p.text is None for p in m.content):
-                raise APIError("only text content parts are supported", f"messages[{i}].content", "invalid_value")
+                raise APIError(
+                    "only text content parts are supported", f"messages[{i}].content", "invalid_value"
+                )
             content = "".join(p.text or "" for p in m.content)
         else:
             content = m.content or ""
@@ -229,20 +291,20 @@ def _chat_messages(req: ChatCompletionRequest) -> List[Dict[str, str]]:
     return out
 
 
-Prompt = Tuple[Optional[str], Optional[List[int]]]  # (text, input_ids): exactly one is set
+Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): exactly one is set
 
 
-def _prompts(value: Any, param: str) -> List[Prompt]:
+def _prompts(value: Any, param: str) -> list[Prompt]:
     """A string, token ids, or a list of either -> a list of prompts."""
     if isinstance(value, str):
-        items: List[Any] = [value]
+        items: list[Any] = [value]
     elif value and all(isinstance(t, int) for t in value):
         items = [value]
     else:
         items = list(value)
     if not items:
         raise APIError(f"'{param}' must not be empty", param, "invalid_value")
-    prompts: List[Prompt] = []
+    prompts: list[Prompt] = []
     for item in items:
         if not item:
             raise APIError(f"'{param}' must not contain an empty prompt", param, "invalid_value")
@@ -259,9 +321,27 @@ def _prompts(value: Any, param: str) -> List[Prompt]:
 class Metrics:
     """Prometheus metrics: request counters and latencies measured here, gauges from the scheduler."""
 
-    LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0,
-                       30.0, 60.0)
-    STATS = {  # scheduler stats key -> gauge name, help
+    LATENCY_BUCKETS = (
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.5,
+        0.75,
+        1.0,
+        2.0,
+        5.0,
+        10.0,
+        30.0,
+        60.0,
+    )
+    STATS: ClassVar[dict[str, tuple[str, str]]] = {  # scheduler stats key -> gauge name, help
         "num_running": ("num_requests_running", "Requests in the running batch"),
         "num_waiting": ("num_requests_waiting", "Requests waiting for admission"),
         "kv_used_pages": ("kv_used_pages", "KV pages in use (by requests or the prefix cache)"),
@@ -282,23 +362,39 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("minisgl_requests", "HTTP generation requests", ["endpoint"], registry=r)
-        self.errors = Counter("minisgl_request_errors", "Requests refused with HTTP 400", ["code"], registry=r)
-        self.finished = Counter("minisgl_finished_requests", "Finished choices by reason", ["finish_reason"],
-                                registry=r)
+        self.errors = Counter(
+            "minisgl_request_errors", "Requests refused with HTTP 400", ["code"], registry=r
+        )
+        self.finished = Counter(
+            "minisgl_finished_requests", "Finished choices by reason", ["finish_reason"], registry=r
+        )
         self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished choices", registry=r)
         self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
-        self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token",
-                              buckets=self.LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("minisgl_inter_token_latency_seconds", "Time between two tokens of a choice",
-                             buckets=self.LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("minisgl_e2e_request_latency_seconds", "Request arrival to last token",
-                             buckets=self.LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=self.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "minisgl_inter_token_latency_seconds",
+            "Time between two tokens of a choice",
+            buckets=self.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl_e2e_request_latency_seconds",
+            "Request arrival to last token",
+            buckets=self.LATENCY_BUCKETS,
+            registry=r,
+        )
         self.gauges = {k: Gauge(f"minisgl_{name}", doc, registry=r) for k, (name, doc) in self.STATS.items()}
         self.kv_usage = Gauge("minisgl_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
-        self.hit_rate = Gauge("minisgl_prefix_cache_hit_rate", "Fraction of prompt tokens found in the cache",
-                              registry=r)
+        self.hit_rate = Gauge(
+            "minisgl_prefix_cache_hit_rate", "Fraction of prompt tokens found in the cache", registry=r
+        )
 
-    def update(self, stats: Dict[str, float]) -> None:
+    def update(self, stats: dict[str, float]) -> None:
         for key, gauge in self.gauges.items():
             if key in stats:
                 gauge.set(stats[key])
@@ -317,14 +413,15 @@ class FrontendManager:
 
     def __init__(self, args: ServerArgs) -> None:
         # with N tokenizers this socket binds and spreads requests over them; otherwise it connects to the worker
-        self.send: ZmqAsyncPushQueue[Any] = ZmqAsyncPushQueue(args.request_addr, create=args.num_tokenizer > 0,
-                                                              encoder=dumps)
+        self.send: ZmqAsyncPushQueue[Any] = ZmqAsyncPushQueue(
+            args.request_addr, create=args.num_tokenizer > 0, encoder=dumps
+        )
         self.recv: ZmqAsyncPullQueue[Any] = ZmqAsyncPullQueue(args.frontend_addr, create=True, decoder=loads)
         self.uids = itertools.count()
-        self.queues: Dict[int, asyncio.Queue[UserReply]] = {}
+        self.queues: dict[int, asyncio.Queue[UserReply]] = {}
         self.metrics = Metrics()
-        self.stats: Dict[str, float] = {}
-        self._listener: Optional[asyncio.Task[None]] = None
+        self.stats: dict[str, float] = {}
+        self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Start routing replies (needs the running event loop)."""
@@ -351,11 +448,11 @@ class FrontendManager:
     def unregister(self, uid: int) -> None:
         self.queues.pop(uid, None)
 
-    async def submit(self, msgs: List[TokenizeMsg]) -> None:
+    async def submit(self, msgs: list[TokenizeMsg]) -> None:
         for msg in msgs:
             await self.send.put(msg)
 
-    def abort(self, uids: Set[int]) -> None:
+    def abort(self, uids: set[int]) -> None:
         """Stop these requests; safe to call from the `finally` of a cancelled coroutine."""
         for uid in sorted(uids):
             logger.warning(f"Aborting request {uid}")
@@ -376,19 +473,19 @@ class ChoiceState:
     uid: int
     prompt_index: int
     text: str = ""
-    token_ids: List[int] = field(default_factory=list)
-    logprobs: List[TokenLogprob] = field(default_factory=list)
-    finish_reason: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 class Generation:
     """One HTTP request's choices in flight: submit them, iterate their replies, abort what is left."""
 
-    def __init__(self, frontend: FrontendManager, prompt_index: List[int]) -> None:
+    def __init__(self, frontend: FrontendManager, prompt_index: list[int]) -> None:
         self.frontend = frontend
         self.metrics = frontend.metrics
         self.queue: asyncio.Queue[UserReply] = asyncio.Queue()
@@ -401,7 +498,7 @@ class Generation:
     def done(self) -> bool:
         return not self.unfinished
 
-    async def next(self, request: Optional[Request] = None) -> Tuple[ChoiceState, UserReply]:
+    async def next(self, request: Request | None = None) -> tuple[ChoiceState, UserReply]:
         """The next reply of any choice. With `request`, checks for a disconnect while waiting."""
         while True:
             if request is None:
@@ -441,8 +538,8 @@ class Generation:
                 self.metrics.prompt_tokens.inc(c.prompt_tokens)
                 self.metrics.e2e.observe(now - self.start)
 
-    def usage(self) -> Dict[str, int]:
-        prompts: Dict[int, int] = {}
+    def usage(self) -> dict[str, int]:
+        prompts: dict[int, int] = {}
         for c in self.choices:  # n choices of one prompt count its tokens once, as OpenAI does
             prompts[c.prompt_index] = c.prompt_tokens
         prompt = sum(prompts.values())
@@ -463,21 +560,28 @@ def _error_param(error: str, prompt_param: str, max_tokens_param: str) -> str:
 
 
 # ---- response shapes ---------------------------------------------------------------------------------
-def _chat_logprobs(items: List[TokenLogprob]) -> Dict[str, Any]:
-    def entry(token: str, lp: float) -> Dict[str, Any]:
+def _chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token: str, lp: float) -> dict[str, Any]:
         return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
 
-    return {"content": [dict(entry(t.token, t.logprob), top_logprobs=[entry(s, lp) for s, _, lp in t.top])
-                        for t in items]}
+    return {
+        "content": [
+            dict(entry(t.token, t.logprob), top_logprobs=[entry(s, lp) for s, _, lp in t.top]) for t in items
+        ]
+    }
 
 
-def _completion_logprobs(items: List[TokenLogprob], offset: int = 0) -> Dict[str, Any]:
+def _completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     offsets, pos = [], offset
     for t in items:
         offsets.append(pos)
         pos += len(t.token)
-    return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{s: lp for s, _, lp in t.top} for t in items], "text_offset": offsets}
+    return {
+        "tokens": [t.token for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{s: lp for s, _, lp in t.top} for t in items],
+        "text_offset": offsets,
+    }
 
 
 @dataclass
@@ -491,37 +595,67 @@ class Endpoint:
     include_usage: bool = False
     logprobs: bool = False
 
-    def _chunk(self, choices: List[Dict[str, Any]], usage: Any = None) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        body: Dict[str, Any] = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                                "choices": choices}
+        body: dict[str, Any] = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             body["usage"] = usage
         return _sse(body)
 
-    def stream_start(self, gen: Generation) -> List[bytes]:
+    def stream_start(self, gen: Generation) -> list[bytes]:
         if self.kind != "chat":
             return []
-        return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for c in gen.choices]
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for c in gen.choices
+        ]
 
-    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> Optional[bytes]:
+    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
         lps = reply.logprobs if self.logprobs else None
         if self.kind == "generate":
-            meta = {"id": c.uid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                    "finish_reason": {"type": c.finish_reason} if reply.finished else None}
-            return _sse({"index": c.index, "text": reply.text, "output_ids": reply.token_ids, "meta_info": meta})
+            meta = {
+                "id": c.uid,
+                "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens,
+                "finish_reason": {"type": c.finish_reason} if reply.finished else None,
+            }
+            return _sse(
+                {"index": c.index, "text": reply.text, "output_ids": reply.token_ids, "meta_info": meta}
+            )
         if not reply.text and not lps:
             return None
         if self.kind == "chat":
-            choice = {"index": c.index, "delta": {"content": reply.text},
-                      "logprobs": _chat_logprobs(lps) if lps else None, "finish_reason": None}
+            choice = {
+                "index": c.index,
+                "delta": {"content": reply.text},
+                "logprobs": _chat_logprobs(lps) if lps else None,
+                "finish_reason": None,
+            }
         else:
-            choice = {"index": c.index, "text": reply.text,
-                      "logprobs": _completion_logprobs(lps, offset) if lps else None, "finish_reason": None}
+            choice = {
+                "index": c.index,
+                "text": reply.text,
+                "logprobs": _completion_logprobs(lps, offset) if lps else None,
+                "finish_reason": None,
+            }
         return self._chunk([choice])
 
-    def stream_finish(self, c: ChoiceState) -> Optional[bytes]:
+    def stream_finish(self, c: ChoiceState) -> bytes | None:
         if self.kind == "generate":
             return None
         if self.kind == "chat":
@@ -530,29 +664,54 @@ class Endpoint:
             choice = {"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
         return self._chunk([choice])
 
-    def stream_usage(self, gen: Generation) -> Optional[bytes]:
+    def stream_usage(self, gen: Generation) -> bytes | None:
         return self._chunk([], gen.usage()) if self.include_usage and self.kind != "generate" else None
 
     def full(self, gen: Generation) -> Any:
         if self.kind == "generate":
-            out = [{"text": c.text, "output_ids": c.token_ids,
-                    "meta_info": {"id": c.uid, "prompt_tokens": c.prompt_tokens,
-                                  "completion_tokens": c.completion_tokens,
-                                  "finish_reason": {"type": c.finish_reason}}} for c in gen.choices]
+            out = [
+                {
+                    "text": c.text,
+                    "output_ids": c.token_ids,
+                    "meta_info": {
+                        "id": c.uid,
+                        "prompt_tokens": c.prompt_tokens,
+                        "completion_tokens": c.completion_tokens,
+                        "finish_reason": {"type": c.finish_reason},
+                    },
+                }
+                for c in gen.choices
+            ]
             return out[0] if len(out) == 1 else out
         choices = []
         for c in gen.choices:
             if self.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": _chat_logprobs(c.logprobs) if self.logprobs else None,
-                                "finish_reason": c.finish_reason})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": _chat_logprobs(c.logprobs) if self.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
-                choices.append({"index": c.index, "text": c.text,
-                                "logprobs": _completion_logprobs(c.logprobs) if self.logprobs else None,
-                                "finish_reason": c.finish_reason})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": _completion_logprobs(c.logprobs) if self.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                "usage": gen.usage()}
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": gen.usage(),
+        }
 
 
 def _sse(obj: Any) -> bytes:
@@ -560,10 +719,9 @@ def _sse(obj: Any) -> bytes:
 
 
 # ---- the application ---------------------------------------------------------------------------------
-def create_app(args: ServerArgs, max_seq_len: int = 0,
-               health: Callable[[], bool] = lambda: True) -> FastAPI:
+def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True) -> FastAPI:
     """The FastAPI application. `health` tells /health whether every worker process is alive."""
-    state: Dict[str, FrontendManager] = {}
+    state: dict[str, FrontendManager] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -582,8 +740,15 @@ def create_app(args: ServerArgs, max_seq_len: int = 0,
         frontend().metrics.errors.labels(e.code or "other").inc()
         return e.response()
 
-    async def run(request: Request, endpoint: Endpoint, msgs: List[TokenizeMsg], prompt_index: List[int],
-                  stream: bool, prompt_param: str, max_tokens_param: str) -> Response:
+    async def run(
+        request: Request,
+        endpoint: Endpoint,
+        msgs: list[TokenizeMsg],
+        prompt_index: list[int],
+        stream: bool,
+        prompt_param: str,
+        max_tokens_param: str,
+    ) -> Response:
         gen = Generation(frontend(), prompt_index)
         for msg, c in zip(msgs, gen.choices):
             msg.uid = c.uid
@@ -593,35 +758,53 @@ def create_app(args: ServerArgs, max_seq_len: int = 0,
                 while not gen.done:
                     c, reply = await gen.next(request)
                     if reply.error is not None:
-                        raise APIError(reply.error, _error_param(reply.error, prompt_param, max_tokens_param),
-                                       "invalid_value")
+                        raise APIError(
+                            reply.error,
+                            _error_param(reply.error, prompt_param, max_tokens_param),
+                            "invalid_value",
+                        )
                 return JSONResponse(endpoint.full(gen))
             first = await gen.next(request)  # a rejected request still gets a plain HTTP 400
             if first[1].error is not None:
-                raise APIError(first[1].error, _error_param(first[1].error, prompt_param, max_tokens_param),
-                               "invalid_value")
+                raise APIError(
+                    first[1].error,
+                    _error_param(first[1].error, prompt_param, max_tokens_param),
+                    "invalid_value",
+                )
         except APIError as e:
             gen.close()
             return refuse(e)
         except BaseException:  # the client went away (or the server is shutting down): abort what runs
             gen.close()
             raise
-        return StreamingResponse(_stream(gen, endpoint, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(gen, endpoint, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
-    async def _stream(gen: Generation, endpoint: Endpoint, first: Tuple[ChoiceState, UserReply]
-                      ) -> AsyncIterator[bytes]:
+    async def _stream(
+        gen: Generation, endpoint: Endpoint, first: tuple[ChoiceState, UserReply]
+    ) -> AsyncIterator[bytes]:
         """SSE frames; if the client disconnects, starlette cancels this generator and `finally` aborts."""
         try:
             for chunk in endpoint.stream_start(gen):
                 yield chunk
-            item: Optional[Tuple[ChoiceState, UserReply]] = first
-            sent: Dict[int, int] = {}
+            item: tuple[ChoiceState, UserReply] | None = first
+            sent: dict[int, int] = {}
             while item is not None:
                 c, reply = item
                 if reply.error is not None:  # one prompt of several was rejected
-                    yield _sse({"error": {"message": reply.error, "type": "invalid_request_error",
-                                          "param": None, "code": "invalid_value"}})
+                    yield _sse(
+                        {
+                            "error": {
+                                "message": reply.error,
+                                "type": "invalid_request_error",
+                                "param": None,
+                                "code": "invalid_value",
+                            }
+                        }
+                    )
                     break
                 chunk = endpoint.stream_delta(c, reply, sent.get(c.index, 0))
                 sent[c.index] = sent.get(c.index, 0) + len(reply.text)
@@ -640,7 +823,7 @@ def create_app(args: ServerArgs, max_seq_len: int = 0,
         finally:
             gen.close()
 
-    async def guarded(request: Request, handler: Callable[[Dict[str, Any]], Any]) -> Response:
+    async def guarded(request: Request, handler: Callable[[dict[str, Any]], Any]) -> Response:
         try:
             data = await _read_json(request, args.max_request_bytes)
             return await handler(data)
@@ -649,13 +832,19 @@ def create_app(args: ServerArgs, max_seq_len: int = 0,
         except ClientGone:
             return Response(status_code=499)
 
-    def model_name(requested: Optional[str]) -> str:
+    def model_name(requested: str | None) -> str:
         return requested or args.served_model_name
 
     @app.get("/v1/models")
-    async def v1_models() -> Dict[str, Any]:
-        card = {"id": args.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "minisgl",
-                "root": args.model_path, "max_model_len": max_seq_len}
+    async def v1_models() -> dict[str, Any]:
+        card = {
+            "id": args.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "minisgl",
+            "root": args.model_path,
+            "max_model_len": max_seq_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -669,57 +858,109 @@ def create_app(args: ServerArgs, max_seq_len: int = 0,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        async def handle(data: Dict[str, Any]) -> Response:
+        async def handle(data: dict[str, Any]) -> Response:
             req: ChatCompletionRequest = _parse(ChatCompletionRequest, data)
             messages = _chat_messages(req)
             use_completion = req.max_completion_tokens is not None
             top = req.top_logprobs or 0
             if top and not req.logprobs:
                 raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-            s = _sampling(req.max_completion_tokens if use_completion else req.max_tokens,
-                          "max_completion_tokens" if use_completion else "max_tokens", req.temperature,
-                          req.top_p, req.top_k, req.n, req.stop, req.stop_token_ids, req.seed, req.ignore_eos,
-                          bool(req.logprobs), top)
+            s = _sampling(
+                req.max_completion_tokens if use_completion else req.max_tokens,
+                "max_completion_tokens" if use_completion else "max_tokens",
+                req.temperature,
+                req.top_p,
+                req.top_k,
+                req.n,
+                req.stop,
+                req.stop_token_ids,
+                req.seed,
+                req.ignore_eos,
+                bool(req.logprobs),
+                top,
+            )
             frontend().metrics.requests.labels("chat").inc()
-            msgs = [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop, max_tokens_auto=s.max_tokens_auto)
-                    for i in range(s.n)]
+            msgs = [
+                TokenizeMsg(
+                    -1, s.for_choice(i), messages=messages, stop=s.stop, max_tokens_auto=s.max_tokens_auto
+                )
+                for i in range(s.n)
+            ]
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            endpoint = Endpoint("chat", model_name(req.model), f"chatcmpl-{next(_rids)}", include_usage=include_usage,
-                                logprobs=bool(req.logprobs))
-            return await run(request, endpoint, msgs, [0] * s.n, bool(req.stream), "messages",
-                             "max_completion_tokens" if use_completion else "max_tokens")
+            endpoint = Endpoint(
+                "chat",
+                model_name(req.model),
+                f"chatcmpl-{next(_rids)}",
+                include_usage=include_usage,
+                logprobs=bool(req.logprobs),
+            )
+            return await run(
+                request,
+                endpoint,
+                msgs,
+                [0] * s.n,
+                bool(req.stream),
+                "messages",
+                "max_completion_tokens" if use_completion else "max_tokens",
+            )
 
         return await guarded(request, handle)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        async def handle(data: Dict[str, Any]) -> Response:
+        async def handle(data: dict[str, Any]) -> Response:
             req: CompletionRequest = _parse(CompletionRequest, data)
             prompts = _prompts(req.prompt, "prompt")
             if req.echo:
                 raise APIError("'echo' is not supported", "echo", "unsupported_parameter")
             if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-                raise APIError(f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value")
-            s = _sampling(req.max_tokens, "max_tokens", req.temperature, req.top_p, req.top_k, req.n, req.stop,
-                          req.stop_token_ids, req.seed, req.ignore_eos, req.logprobs is not None,
-                          req.logprobs or 0)
+                raise APIError(
+                    f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value"
+                )
+            s = _sampling(
+                req.max_tokens,
+                "max_tokens",
+                req.temperature,
+                req.top_p,
+                req.top_k,
+                req.n,
+                req.stop,
+                req.stop_token_ids,
+                req.seed,
+                req.ignore_eos,
+                req.logprobs is not None,
+                req.logprobs or 0,
+            )
             frontend().metrics.requests.labels("completions").inc()
             msgs, index = [], []
             for p, (text, ids) in enumerate(prompts):
                 for i in range(s.n):
-                    msgs.append(TokenizeMsg(-1, s.for_choice(i), text=text, input_ids=ids, stop=s.stop,
-                                            max_tokens_auto=s.max_tokens_auto))
+                    msgs.append(
+                        TokenizeMsg(
+                            -1,
+                            s.for_choice(i),
+                            text=text,
+                            input_ids=ids,
+                            stop=s.stop,
+                            max_tokens_auto=s.max_tokens_auto,
+                        )
+                    )
                     index.append(p)
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            endpoint = Endpoint("completion", model_name(req.model), f"cmpl-{next(_rids)}",
-                                include_usage=include_usage, logprobs=req.logprobs is not None)
+            endpoint = Endpoint(
+                "completion",
+                model_name(req.model),
+                f"cmpl-{next(_rids)}",
+                include_usage=include_usage,
+                logprobs=req.logprobs is not None,
+            )
             return await run(request, endpoint, msgs, index, bool(req.stream), "prompt", "max_tokens")
 
         return await guarded(request, handle)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        async def handle(data: Dict[str, Any]) -> Response:
+        async def handle(data: dict[str, Any]) -> Response:
             req: GenerateRequest = _parse(GenerateRequest, data)
             if (req.text is None) == (req.input_ids is None):
                 raise APIError("give exactly one of 'text' and 'input_ids'", "text", "invalid_value")
@@ -730,14 +971,34 @@ def create_app(args: ServerArgs, max_seq_len: int = 0,
             max_new = extra.get("max_new_tokens", sp.max_tokens)
             if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)):
                 raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
-            s = _sampling(max_new, "max_new_tokens", sp.temperature, sp.top_p, sp.top_k, sp.n, sp.stop,
-                          sp.stop_token_ids, sp.seed, sp.ignore_eos, False, 0)
+            s = _sampling(
+                max_new,
+                "max_new_tokens",
+                sp.temperature,
+                sp.top_p,
+                sp.top_k,
+                sp.n,
+                sp.stop,
+                sp.stop_token_ids,
+                sp.seed,
+                sp.ignore_eos,
+                False,
+                0,
+            )
             frontend().metrics.requests.labels("generate").inc()
             msgs, index = [], []
             for p, (text, ids) in enumerate(prompts):
                 for i in range(s.n):
-                    msgs.append(TokenizeMsg(-1, s.for_choice(i), text=text, input_ids=ids, stop=s.stop,
-                                            max_tokens_auto=s.max_tokens_auto))
+                    msgs.append(
+                        TokenizeMsg(
+                            -1,
+                            s.for_choice(i),
+                            text=text,
+                            input_ids=ids,
+                            stop=s.stop,
+                            max_tokens_auto=s.max_tokens_auto,
+                        )
+                    )
                     index.append(p)
             endpoint = Endpoint("generate", args.served_model_name, f"gen-{next(_rids)}")
             return await run(request, endpoint, msgs, index, bool(req.stream), param, "max_new_tokens")

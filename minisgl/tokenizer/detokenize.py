@@ -8,20 +8,22 @@ only a small window of its latest tokens, so the cost per token does not grow wi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any
 
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, TokenLogprob, UserReply
 
-PROMPT_CONTEXT = 4  # last prompt tokens decoded before the first output token (word-boundary spaces come out right)
+PROMPT_CONTEXT = (
+    4  # last prompt tokens decoded before the first output token (word-boundary spaces come out right)
+)
 
 
 @dataclass
 class _DecodeState:
     prompt_len: int
-    stop: List[str]
-    stop_token_ids: Set[int]
+    stop: list[str]
+    stop_token_ids: set[int]
     logprobs: bool
-    ids: List[int]  # a few prompt tokens, then every output token
+    ids: list[int]  # a few prompt tokens, then every output token
     num_context: int  # how many of `ids` come from the prompt
     prefix_offset: int = 0  # window start: decoded only as context for the next tokens
     read_offset: int = 0  # tokens before this are already in `text`
@@ -44,21 +46,26 @@ class DetokenizeManager:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: Dict[int, _DecodeState] = {}
-        self.early: Dict[int, List[DetokenizeMsg]] = {}  # tokens that outran their DetokenizeStartMsg
-        self.dropped: Set[int] = set()  # ended here (stop string); the scheduler's last message is ignored
+        self.states: dict[int, _DecodeState] = {}
+        self.early: dict[int, list[DetokenizeMsg]] = {}  # tokens that outran their DetokenizeStartMsg
+        self.dropped: set[int] = set()  # ended here (stop string); the scheduler's last message is ignored
 
-    def start(self, msg: DetokenizeStartMsg) -> Tuple[List[UserReply], List[int]]:
+    def start(self, msg: DetokenizeStartMsg) -> tuple[list[UserReply], list[int]]:
         context = list(msg.prompt_tail[-PROMPT_CONTEXT:])
-        self.states[msg.uid] = _DecodeState(prompt_len=msg.prompt_len, stop=[s for s in msg.stop if s],
-                                            stop_token_ids=set(msg.stop_token_ids), logprobs=msg.logprobs,
-                                            ids=context, num_context=len(context))
+        self.states[msg.uid] = _DecodeState(
+            prompt_len=msg.prompt_len,
+            stop=[s for s in msg.stop if s],
+            stop_token_ids=set(msg.stop_token_ids),
+            logprobs=msg.logprobs,
+            ids=context,
+            num_context=len(context),
+        )
         early = self.early.pop(msg.uid, [])
         return self.feed(early) if early else ([], [])
 
-    def feed(self, msgs: List[DetokenizeMsg]) -> Tuple[List[UserReply], List[int]]:
-        replies: List[UserReply] = []
-        stopped: List[int] = []
+    def feed(self, msgs: list[DetokenizeMsg]) -> tuple[list[UserReply], list[int]]:
+        replies: list[UserReply] = []
+        stopped: list[int] = []
         for msg in msgs:
             if msg.uid in self.dropped:
                 if msg.finished:
@@ -80,7 +87,7 @@ class DetokenizeManager:
                     stopped.append(msg.uid)
         return replies, stopped
 
-    def _decode(self, ids: List[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _step(self, uid: int, st: _DecodeState, msg: DetokenizeMsg) -> UserReply:
@@ -106,13 +113,13 @@ class DetokenizeManager:
         if st.stop:
             hit = self._find_stop(st)
             if hit >= 0:
-                reply.text = st.text[st.sent:hit]
+                reply.text = st.text[st.sent : hit]
                 st.sent = len(st.text)
                 reply.finished, reply.finish_reason = True, "stop"
                 return reply
             if not msg.finished:
                 end -= self._stop_prefix_len(st)
-        reply.text = st.text[st.sent:end]
+        reply.text = st.text[st.sent : end]
         st.sent = end
         if msg.finished:
             reply.finished, reply.finish_reason = True, msg.finish_reason
@@ -122,13 +129,13 @@ class DetokenizeManager:
         """Move the newly complete characters of the token window into `text`."""
         if st.read_offset >= len(st.ids):
             return
-        prefix = self._decode(st.ids[st.prefix_offset:st.read_offset])
-        full = self._decode(st.ids[st.prefix_offset:])
+        prefix = self._decode(st.ids[st.prefix_offset : st.read_offset])
+        full = self._decode(st.ids[st.prefix_offset :])
         if len(full) <= len(prefix) and not final:
             return  # a special token or a byte fragment: nothing new yet
         if full.endswith("\ufffd") and not final:
             return  # an incomplete UTF-8 character: wait for its other bytes
-        st.text += full[len(prefix):]
+        st.text += full[len(prefix) :]
         st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
 
     def _find_stop(self, st: _DecodeState) -> int:
@@ -138,7 +145,7 @@ class DetokenizeManager:
 
     def _stop_prefix_len(self, st: _DecodeState) -> int:
         """Length of the longest unsent tail of the text that some stop string starts with."""
-        tail = st.text[st.sent:]
+        tail = st.text[st.sent :]
         for k in range(min(st.max_stop - 1, len(tail)), 0, -1):
             if any(s.startswith(tail[-k:]) for s in st.stop):
                 return k

@@ -7,7 +7,7 @@ scheduler reply goes through).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 
@@ -37,16 +37,24 @@ ROLES = ("both", "tokenizer", "detokenizer")
 class TokenizerWorker:
     """Owns the sockets of one worker and routes every message it receives."""
 
-    def __init__(self, role: str, tokenizer: Any, recv_addr: str, recv_create: bool, backend_addr: str,
-                 frontend_addr: Optional[str], detokenizer_addr: Optional[str]) -> None:
+    def __init__(
+        self,
+        role: str,
+        tokenizer: Any,
+        recv_addr: str,
+        recv_create: bool,
+        backend_addr: str,
+        frontend_addr: str | None,
+        detokenizer_addr: str | None,
+    ) -> None:
         assert role in ROLES, role
         self.role = role
         self.tokenize_mgr = TokenizeManager(tokenizer)
         self.detokenize_mgr = DetokenizeManager(tokenizer)
         self.recv: ZmqPullQueue[Any] = ZmqPullQueue(recv_addr, create=recv_create, decoder=loads)
         self.send_backend: ZmqPushQueue[Any] = ZmqPushQueue(backend_addr, create=False, encoder=dumps)
-        self.send_frontend: Optional[ZmqPushQueue[Any]] = None
-        self.send_detokenizer: Optional[ZmqPushQueue[Any]] = None
+        self.send_frontend: ZmqPushQueue[Any] | None = None
+        self.send_detokenizer: ZmqPushQueue[Any] | None = None
         if role in ("both", "detokenizer"):
             assert frontend_addr is not None
             self.send_frontend = ZmqPushQueue(frontend_addr, create=False, encoder=dumps)
@@ -59,8 +67,8 @@ class TokenizerWorker:
             msgs = [self.recv.get()] + self.recv.get_all()  # block for one, then take whatever else waits
             self.handle(msgs)
 
-    def handle(self, msgs: List[Any]) -> None:
-        replies: List[UserReply] = []
+    def handle(self, msgs: list[Any]) -> None:
+        replies: list[UserReply] = []
         for msg in msgs:
             if isinstance(msg, TokenizeMsg):
                 replies += self._tokenize(msg)
@@ -79,40 +87,53 @@ class TokenizerWorker:
             assert self.send_frontend is not None
             self.send_frontend.put(BatchFrontendMsg(replies))
 
-    def _tokenize(self, msg: TokenizeMsg) -> List[UserReply]:
+    def _tokenize(self, msg: TokenizeMsg) -> list[UserReply]:
         try:
             input_ids = self.tokenize_mgr.tokenize(msg)
             if not input_ids:
                 raise ValueError("the prompt is empty after tokenization")
-        except Exception as e:  # a bad prompt must not take the worker down: reject this request only
-            error = DetokenizeMsg(msg.uid, finished=True, finish_reason="error", error=f"cannot tokenize: {e}")
+        except Exception as e:  # noqa: BLE001 - a bad prompt must not take the worker down, only fail itself
+            error = DetokenizeMsg(
+                msg.uid, finished=True, finish_reason="error", error=f"cannot tokenize: {e}"
+            )
             if self.send_detokenizer is not None:
                 self.send_detokenizer.put(BatchDetokenizeMsg([error]))
                 return []
             return self.detokenize_mgr.feed([error])[0]
-        start = DetokenizeStartMsg(uid=msg.uid, prompt_len=len(input_ids), prompt_tail=input_ids[-8:],
-                                   stop=msg.stop, stop_token_ids=list(msg.sampling_params.stop_token_ids),
-                                   logprobs=msg.sampling_params.logprobs)
-        replies: List[UserReply] = []
+        start = DetokenizeStartMsg(
+            uid=msg.uid,
+            prompt_len=len(input_ids),
+            prompt_tail=input_ids[-8:],
+            stop=msg.stop,
+            stop_token_ids=list(msg.sampling_params.stop_token_ids),
+            logprobs=msg.sampling_params.logprobs,
+        )
+        replies: list[UserReply] = []
         if self.send_detokenizer is not None:  # registered there before the scheduler can answer
             self.send_detokenizer.put(start)
         else:
             replies = self._detokenize_start(start)
-        self.send_backend.put(UserMsg(uid=msg.uid, input_ids=torch.tensor(input_ids, dtype=torch.int32),
-                                      sampling_params=msg.sampling_params, max_tokens_auto=msg.max_tokens_auto))
+        self.send_backend.put(
+            UserMsg(
+                uid=msg.uid,
+                input_ids=torch.tensor(input_ids, dtype=torch.int32),
+                sampling_params=msg.sampling_params,
+                max_tokens_auto=msg.max_tokens_auto,
+            )
+        )
         return replies
 
-    def _detokenize_start(self, msg: DetokenizeStartMsg) -> List[UserReply]:
+    def _detokenize_start(self, msg: DetokenizeStartMsg) -> list[UserReply]:
         replies, stopped = self.detokenize_mgr.start(msg)
         self._abort_stopped(stopped)
         return replies
 
-    def _detokenize(self, msgs: List[DetokenizeMsg]) -> List[UserReply]:
+    def _detokenize(self, msgs: list[DetokenizeMsg]) -> list[UserReply]:
         replies, stopped = self.detokenize_mgr.feed(msgs)
         self._abort_stopped(stopped)
         return replies
 
-    def _abort_stopped(self, uids: List[int]) -> None:
+    def _abort_stopped(self, uids: list[int]) -> None:
         for uid in uids:  # a stop string ended these: the scheduler stops generating for them
             self.send_backend.put(AbortMsg(uid))
 
@@ -122,14 +143,25 @@ class TokenizerWorker:
                 q.stop()
 
 
-def tokenize_worker(*, role: str, worker_name: str, tokenizer_path: str, recv_addr: str, recv_create: bool,
-                    backend_addr: str, frontend_addr: Optional[str] = None, detokenizer_addr: Optional[str] = None,
-                    ack_queue: Any = None) -> None:
+def tokenize_worker(
+    *,
+    role: str,
+    worker_name: str,
+    tokenizer_path: str,
+    recv_addr: str,
+    recv_create: bool,
+    backend_addr: str,
+    frontend_addr: str | None = None,
+    detokenizer_addr: str | None = None,
+    ack_queue: Any = None,
+) -> None:
     """Process entry: load the tokenizer, connect, report ready, then serve until killed."""
     logger = init_logger(__name__, worker_name)
     torch.set_num_threads(1)  # the scheduler needs the cores
     tokenizer = load_tokenizer(tokenizer_path)
-    worker = TokenizerWorker(role, tokenizer, recv_addr, recv_create, backend_addr, frontend_addr, detokenizer_addr)
+    worker = TokenizerWorker(
+        role, tokenizer, recv_addr, recv_create, backend_addr, frontend_addr, detokenizer_addr
+    )
     logger.info(f"{worker_name} ready ({role})")
     if ack_queue is not None:
         ack_queue.put((worker_name, {}))

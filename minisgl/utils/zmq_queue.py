@@ -8,7 +8,8 @@ either start first. The service is the only user: the offline path never imports
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Generic, List, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -51,15 +52,15 @@ class ZmqPullQueue(Generic[T]):
         self.socket = _open(zmq.Context.instance(), zmq.PULL, addr, create)
         self.decoder = decoder
 
-    def get(self, timeout: Optional[float] = None) -> Optional[T]:
+    def get(self, timeout: float | None = None) -> T | None:
         """Block until a message arrives (or `timeout` seconds pass: then None)."""
         if timeout is not None and not self.socket.poll(int(timeout * 1000)):
             return None
         return self.decoder(self.socket.recv(copy=False).buffer)
 
-    def get_all(self) -> List[T]:
+    def get_all(self) -> list[T]:
         """Every message already waiting, without blocking."""
-        out: List[T] = []
+        out: list[T] = []
         while True:
             try:
                 frame = self.socket.recv(zmq.NOBLOCK, copy=False)
@@ -138,7 +139,7 @@ class ZmqSubQueue(Generic[T]):
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.decoder = decoder
 
-    def get(self, timeout: Optional[float] = None) -> Optional[T]:
+    def get(self, timeout: float | None = None) -> T | None:
         if timeout is not None and not self.socket.poll(int(timeout * 1000)):
             return None
         return self.decoder(self.socket.recv(copy=False).buffer)

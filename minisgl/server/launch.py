@@ -1,0 +1,330 @@
+"""The launcher: resolve the model once, spawn the workers, wait until each is ready, then serve.
+
+Processes: this one (API server or shell), one scheduler per TP rank, and the tokenizer side (one worker
+doing both with --num-tokenizer 0, else N tokenizers + 1 detokenizer). Workers are started with `spawn`
+(CUDA, threads and ZMQ contexts do not survive a fork), ignore Ctrl-C (the launcher stops them) and die
+with the launcher (PR_SET_PDEATHSIG). A worker that dies takes the whole service down with a message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from minisgl.utils import init_logger
+
+from .args import ServerArgs, parse_args
+
+logger = init_logger(__name__, "launcher")
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited (or reported a startup error) while the service needed it."""
+
+
+# ---- inside the worker processes ---------------------------------------------------------------------
+def _child_init(parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us
+    try:  # die with the launcher, even if it is SIGKILLed
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _scheduler_config(args: ServerArgs, rank: int) -> Any:
+    import torch
+
+    from minisgl.distributed import DistributedInfo
+    from minisgl.engine import EngineConfig
+    from minisgl.scheduler import SchedulerConfig
+    from minisgl.utils.hf import load_tokenizer
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    engine = EngineConfig(
+        model_path=args.model_path,
+        dtype=dtype,
+        tp_info=DistributedInfo(rank, args.tp),
+        dist_init_method=args.dist_init_method,
+        max_running_req=args.max_running_requests,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_seq_len=args.max_seq_len_override,
+        attn=args.attn,
+        load_format=args.load_format,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        show_progress=rank == 0,
+    )
+    eos: list[int] = []
+    if any(
+        os.path.exists(os.path.join(args.model_path, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        eos_id = load_tokenizer(args.model_path).eos_token_id  # e.g. <|im_end|> ends a chat turn
+        eos = [int(eos_id)] if eos_id is not None else []
+    return SchedulerConfig(
+        engine=engine,
+        cache_type=args.cache,
+        max_prefill_length=args.max_prefill_length,
+        extra_eos_token_ids=eos,
+    )
+
+
+def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int) -> None:
+    _child_init(parent_pid)
+    name = f"scheduler-{rank}"
+    try:
+        from minisgl.scheduler import Scheduler
+        from minisgl.scheduler.io import SchedulerIO
+
+        scheduler = Scheduler(_scheduler_config(args, rank))
+        io = SchedulerIO(
+            scheduler, args.backend_addr, args.detokenizer_addr, args.broadcast_addr, rank, args.tp
+        )
+        io.wait_for_ranks()  # rank 0: every other rank has subscribed
+    except BaseException as e:
+        ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+    ack_queue.put((name, {"max_seq_len": scheduler.max_seq_len}))
+    io.run_forever()
+
+
+def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> None:
+    _child_init(parent_pid)
+    from minisgl.tokenizer import tokenize_worker
+
+    try:
+        tokenize_worker(ack_queue=ack_queue, **kwargs)
+    except BaseException as e:
+        ack_queue.put((kwargs["worker_name"], {"error": f"{type(e).__name__}: {e}"}))
+        raise
+
+
+# ---- in the launcher ---------------------------------------------------------------------------------
+class ServiceProcesses:
+    """The worker processes: start, wait for their ready messages, watch them, stop them."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ctx = mp.get_context("spawn")
+        self.ack_queue = self.ctx.Queue()
+        self.procs: list[Any] = []
+        self.stopping = False
+        self.failure: str | None = None
+
+    def start(self) -> None:
+        a, pid = self.args, os.getpid()
+        for rank in range(a.tp):
+            self.procs.append(
+                self.ctx.Process(
+                    target=_run_scheduler,
+                    args=(a, rank, self.ack_queue, pid),
+                    name=f"minisgl-scheduler-{rank}",
+                )
+            )
+        common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
+        if a.num_tokenizer == 0:
+            workers = [
+                dict(
+                    common,
+                    role="both",
+                    worker_name="tokenizer",
+                    recv_addr=a.detokenizer_addr,
+                    recv_create=True,
+                    frontend_addr=a.frontend_addr,
+                )
+            ]
+        else:
+            workers = [
+                dict(
+                    common,
+                    role="detokenizer",
+                    worker_name="detokenizer",
+                    recv_addr=a.detokenizer_addr,
+                    recv_create=True,
+                    frontend_addr=a.frontend_addr,
+                )
+            ]
+            workers += [
+                dict(
+                    common,
+                    role="tokenizer",
+                    worker_name=f"tokenizer-{i}",
+                    recv_addr=a.tokenizer_addr,
+                    recv_create=False,
+                    detokenizer_addr=a.detokenizer_addr,
+                )
+                for i in range(a.num_tokenizer)
+            ]
+        for kw in workers:
+            self.procs.append(
+                self.ctx.Process(
+                    target=_run_tokenizer, args=(kw, self.ack_queue, pid), name=f"minisgl-{kw['worker_name']}"
+                )
+            )
+        for p in self.procs:
+            p.start()
+        logger.info(f"Started {len(self.procs)} worker processes: " + ", ".join(p.name for p in self.procs))
+
+    def _errors(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                name, info = self.ack_queue.get_nowait()
+            except (queue.Empty, OSError, ValueError):  # nothing waiting, or the queue is already closed
+                return out
+            if "error" in info:
+                out.append(f"{name}: {info['error']}")
+
+    def dead(self) -> str | None:
+        """A description of the first dead worker (with the error it reported, if any), or None."""
+        for p in self.procs:
+            if not p.is_alive():
+                errors = self._errors()
+                why = f" ({'; '.join(errors)})" if errors else " (see its traceback above)"
+                return f"worker process {p.name} (pid {p.pid}) exited with code {p.exitcode}{why}"
+        return None
+
+    def all_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def wait_ready(self) -> dict[str, dict[str, Any]]:
+        """Block until every worker reported ready; raise WorkerDied if one failed instead."""
+        ready: dict[str, dict[str, Any]] = {}
+        while len(ready) < len(self.procs):
+            try:
+                name, info = self.ack_queue.get(timeout=0.5)
+            except queue.Empty:  # check that nobody died meanwhile
+                problem = self.dead()
+                if problem:
+                    raise WorkerDied(problem) from None
+                continue
+            if "error" in info:
+                raise WorkerDied(f"{name} failed to start: {info['error']}")
+            ready[name] = info
+            logger.info(f"{name} is ready")
+        return ready
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call `on_death(message)` (from a thread) if a worker dies while the service runs."""
+
+        def loop() -> None:
+            while not self.stopping:
+                problem = self.dead()
+                if problem and not self.stopping:
+                    self.failure = problem
+                    on_death(problem)
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=loop, name="minisgl-watchdog", daemon=True).start()
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """SIGTERM every worker, SIGKILL what is left after `timeout` seconds."""
+        self.stopping = True
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                logger.warning(f"{p.name} did not stop; killing it")
+                p.kill()
+                p.join(1.0)
+        self.ack_queue.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds into the cleanup below
+
+
+def _serve_http(args: ServerArgs, service: ServiceProcesses, ready: dict[str, dict[str, Any]]) -> int:
+    import uvicorn
+
+    from .api_server import create_app
+
+    max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))
+    app = create_app(args, max_seq_len, health=service.all_alive)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+    )
+
+    def on_death(problem: str) -> None:
+        logger.error(f"{problem}; shutting the service down")
+        server.should_exit = True
+
+    service.watch(on_death)
+    logger.info(
+        f"Serving {args.served_model_name} (context {max_seq_len}) on http://{args.host}:{args.port}/v1"
+    )
+    server.run()
+    return 1 if service.failure else 0
+
+
+def launch(args: ServerArgs) -> int:
+    """Start the whole service and block until it stops; returns the exit code."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        from minisgl.utils.hf import resolve_model_path
+
+        args = replace(args, model_path=resolve_model_path(args.model))  # once: a .gguf is converted here
+    except ValueError as e:
+        logger.error(f"{e}")
+        return 2
+    args = replace(args, ipc_dir=tempfile.mkdtemp(prefix="minisgl-"))
+    if args.tp > 1:
+        args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    service = ServiceProcesses(args)
+    try:
+        service.start()
+        ready = service.wait_ready()
+        if args.shell:
+            from minisgl.shell import run_shell
+
+            return run_shell(args, service)
+        return _serve_http(args, service, ready)
+    except WorkerDied as e:
+        logger.error(f"{e}; shutting the service down")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        service.stop()
+        shutil.rmtree(args.ipc_dir, ignore_errors=True)
+        logger.info("All processes stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return launch(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
