@@ -156,6 +156,7 @@ class Scheduler:
             input_ids.extend(req.token_ids[prefix:prefix + extend])
             rows.extend([req.table_idx] * extend)
             out_loc.append(self.cache.slots_of(req.pages, prefix + extend)[prefix:])
+            self.engine.page_table[req.table_idx, :prefix] = self.cache.slots_of(req.pages, prefix).to(self.device)
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
         self._to_device(batch, positions, torch.cat(out_loc).tolist(), rows, input_ids,
