@@ -1,0 +1,210 @@
+"""Shared fixtures: tiny random models of every supported architecture, the Hugging Face reference, and a
+helper that builds one LLM at a time (the engine's Context is per process).
+
+Every equality test compares minisgl with Hugging Face transformers in float32, greedy, token for token.
+The tiny models use a large initializer range so that the logits are far from ties."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+
+import pytest
+import torch
+
+# A KV leak found by the scheduler's idle integrity check fails loudly in tests.
+os.environ.setdefault("MINISGL_STRICT_INTEGRITY", "1")
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A tiny random model: the transformers config class and its (deliberately odd) sizes."""
+
+    name: str
+    architecture: str
+    config_kwargs: Dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+# GQA everywhere; head_dim != hidden / heads where the architecture reads head_dim from the config.
+TINY_SPECS: Dict[str, TinySpec] = {
+    spec.name: spec
+    for spec in [
+        TinySpec("llama", "LlamaForCausalLM", dict(
+            vocab_size=733, hidden_size=64, intermediate_size=136, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True), seed=1),
+        TinySpec("llama3_rope", "LlamaForCausalLM", dict(
+            vocab_size=611, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+            num_attention_heads=6, num_key_value_heads=2, head_dim=20, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="llama3", rope_theta=50000.0, factor=4.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=32)), seed=2),
+        TinySpec("qwen2", "Qwen2ForCausalLM", dict(
+            vocab_size=901, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False), seed=3),
+        TinySpec("qwen3", "Qwen3ForCausalLM", dict(
+            vocab_size=1000, hidden_size=64, intermediate_size=144, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=40, tie_word_embeddings=True), seed=4),
+        TinySpec("mistral", "MistralForCausalLM", dict(
+            vocab_size=853, hidden_size=80, intermediate_size=152, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=3, head_dim=24, tie_word_embeddings=False), seed=5),
+    ]
+}
+ARCH_NAMES = list(TINY_SPECS)
+TINY_MAX_POSITIONS = 2048
+
+
+def _config_class(architecture: str):
+    import transformers
+
+    return {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MistralForCausalLM": transformers.MistralConfig,
+    }[architecture]
+
+
+def build_tiny_model(spec: TinySpec, out_dir: str) -> str:
+    """Build a seeded random model from its transformers config and save it as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config_class(spec.architecture)(
+        initializer_range=0.15, rms_norm_eps=1e-6, max_position_embeddings=TINY_MAX_POSITIONS,
+        architectures=[spec.architecture], **spec.config_kwargs)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+class HFReference:
+    """A Hugging Face model in float32 and its greedy continuation, recomputed from scratch each step
+    (no KV cache: the most direct reading of the model)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._memo: Dict[Tuple[Tuple[int, ...], int], Tuple[List[int], List[float]]] = {}
+
+    @torch.no_grad()
+    def greedy_with_margins(self, prompt: Sequence[int], n: int) -> Tuple[List[int], List[float]]:
+        """n greedy tokens (no EOS stop) and, per step, the gap between the two largest logits."""
+        key = (tuple(prompt), n)
+        if key not in self._memo:
+            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            tokens: List[int] = []
+            margins: List[float] = []
+            for _ in range(n):
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, -1].float()
+                top2 = logits.topk(2).values
+                tok = int(logits.argmax())
+                tokens.append(tok)
+                margins.append(float(top2[0] - top2[1]))
+                ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+            self._memo[key] = (tokens, margins)
+        return self._memo[key]
+
+    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
+        return self.greedy_with_margins(prompt, n)[0]
+
+
+# Two float32 implementations may legitimately differ where the top two logits are this close.
+TIE_TOLERANCE = 1e-4
+
+
+def assert_tokens_equal_hf(ours: Sequence[int], ref: HFReference, prompt: Sequence[int], what: str = "") -> None:
+    """minisgl's greedy tokens equal Hugging Face's, token for token; a first difference is excused only
+    at an exact float32 near-tie of Hugging Face's top two logits."""
+    expected, margins = ref.greedy_with_margins(prompt, len(ours))
+    ours = list(ours)
+    if ours == expected:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(ours, expected)) if a != b)
+    if margins[first] < TIE_TOLERANCE:
+        return
+    raise AssertionError(
+        f"{what}: minisgl and Hugging Face differ first at generated token {first} "
+        f"(ours {ours[first]}, HF {expected[first]}, HF top-2 logit gap {margins[first]:.3g})\n"
+        f"ours: {ours}\nHF:   {expected}")
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> List[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> Dict[str, str]:
+    """name -> directory of a saved tiny random model, for every architecture."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: build_tiny_model(spec, str(root / name)) for name, spec in TINY_SPECS.items()}
+
+
+_HF_REFS: Dict[str, HFReference] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dirs) -> Callable[[str], HFReference]:
+    """name -> HFReference of that tiny model (loaded once per session, greedy results memoised)."""
+
+    def get(name: str) -> HFReference:
+        if name not in _HF_REFS:
+            _HF_REFS[name] = HFReference(tiny_model_dirs[name])
+        return _HF_REFS[name]
+
+    return get
+
+
+def tiny_llm_kwargs(**overrides: Any) -> Dict[str, Any]:
+    """LLM arguments for a tiny model on a CPU: float32, torch attention, a small pool."""
+    kwargs: Dict[str, Any] = dict(dtype=torch.float32, attn="torch", num_page_override=4096, max_running_req=32,
+                                  show_progress=False)
+    kwargs.update(overrides)
+    if "page_size" in overrides and "num_page_override" not in overrides:
+        kwargs["num_page_override"] = 4096 // overrides["page_size"] + 64
+    return kwargs
+
+
+def shutdown_llm(llm: Any) -> None:
+    if llm is not None:
+        llm.shutdown()
+    gc.collect()
+
+
+@contextlib.contextmanager
+def make_llm(model_path: Any, **kwargs: Any) -> Iterator[Any]:
+    """An LLM that is shut down afterwards (only one LLM may live in a process at a time)."""
+    from minisgl.llm import LLM
+
+    llm = LLM(model_path, **kwargs)
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+
+
+def assert_all_kv_free(llm: Any) -> None:
+    """Idle: every page is free or held by the prefix cache, every request slot is free."""
+    sched = llm.scheduler
+    assert not sched.has_work, "the scheduler still has work after generate returned"
+    sched.check_integrity()
+    stats = sched.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    cached = sched.cache.cache.cached_pages
+    assert sched.num_free_pages() + cached == sched.num_total_pages, (
+        f"{sched.num_free_pages()} free + {cached} cached != {sched.num_total_pages} pages")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The converted directory of the embedded default model (SmolLM2-135M-Instruct GGUF)."""
+    from minisgl.utils.hf import resolve_model_path
+
+    try:
+        return resolve_model_path(None)
+    except ValueError as e:  # pragma: no cover - the README installs it
+        pytest.skip(f"default model not installed: {e}")
