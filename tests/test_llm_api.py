@@ -1,0 +1,238 @@
+"""The offline API: bad input is a ValueError naming the problem, outputs follow the documented shape,
+requests finish for the documented reasons, every KV slot is returned, and shutdown frees the engine."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import weakref
+
+import pytest
+from conftest import TINY_SPECS, HFReference, assert_all_kv_free, assert_tokens_equal_hf, make_llm, \
+    random_prompt, tiny_llm_kwargs
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+
+ARCH = "llama"
+MAX_SEQ_LEN = 96
+VOCAB = TINY_SPECS[ARCH].config_kwargs["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(max_seq_len_override=MAX_SEQ_LEN)) as llm:
+        yield llm
+
+
+def prompt(n: int, seed: int = 0):
+    return random_prompt(n, VOCAB, seed)
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=-0.2), "top_p"),
+    (dict(top_k=0), "top_k"),
+]
+
+
+@pytest.mark.parametrize("kwargs,names", BAD_PARAMS, ids=[f"{list(k)[0]}={list(k.values())[0]}" for k, _ in BAD_PARAMS])
+def test_bad_sampling_params_raise_value_error_naming_the_field(llm, kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        llm.generate([prompt(5)], SamplingParams(**kwargs))
+    assert_all_kv_free(llm)
+
+
+@pytest.mark.parametrize("bad", [[], ""], ids=["empty-ids", "empty-string"])
+def test_empty_prompt_raises(llm, bad):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([bad], SamplingParams(max_tokens=4))
+
+
+def test_prompt_longer_than_max_seq_len_raises(llm):
+    with pytest.raises(ValueError, match="maximum sequence length"):
+        llm.generate([prompt(MAX_SEQ_LEN)], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="maximum sequence length"):
+        llm.generate([prompt(MAX_SEQ_LEN + 50)], SamplingParams(max_tokens=1))
+
+
+def test_bad_input_in_a_batch_queues_nothing(llm):
+    """One bad request rejects the whole call before anything runs; the LLM stays usable."""
+    good = [prompt(6, seed=1), prompt(9, seed=2)]
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(good + [prompt(4)], [SamplingParams(max_tokens=4)] * 2 + [SamplingParams(top_p=2.0)])
+    assert not llm.scheduler.has_work
+    outs = llm.generate(good, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o["token_ids"]) for o in outs] == [4, 4]
+    assert_all_kv_free(llm)
+
+
+def test_mismatched_sampling_params_list_raises(llm):
+    with pytest.raises(ValueError):
+        llm.generate([prompt(5), prompt(6)], [SamplingParams(max_tokens=2)])
+
+
+def test_string_prompt_without_tokenizer_raises(llm):
+    """The tiny models have no tokenizer: a string prompt is a clear error, token ids work."""
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+def test_token_id_outside_vocab_raises(llm):
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, VOCAB]], SamplingParams(max_tokens=2))
+
+
+# ---- bad model paths ----------------------------------------------------------------------------------
+def _expect_model_error(path, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(path, **tiny_llm_kwargs())
+
+
+def test_nonexistent_model_dir_raises(tmp_path):
+    _expect_model_error(str(tmp_path / "no_such_model"), "does not exist")
+
+
+def test_model_file_that_is_not_gguf_raises(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    _expect_model_error(str(f), "gguf")
+
+
+def test_model_dir_without_config_raises(tmp_path):
+    _expect_model_error(str(tmp_path), "config.json")
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path, tiny_model_dirs):
+    model = tmp_path / "renamed"
+    shutil.copytree(tiny_model_dirs[ARCH], model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FancyNewForCausalLM") as err:
+        LLM(str(model), **tiny_llm_kwargs())
+    for supported in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert supported in str(err.value)
+
+
+def test_unsupported_real_architecture_raises_value_error(tmp_path):
+    """A real checkpoint of an unsupported family (GPT-2: no rms_norm_eps, no rope) is rejected by name,
+    not by an AttributeError deep inside the config reader."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, architectures=["GPT2LMHeadModel"]).save_pretrained(
+        tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(str(tmp_path), **tiny_llm_kwargs())
+
+
+# ---- outputs ------------------------------------------------------------------------------------------
+def test_outputs_are_one_dict_per_prompt_in_order(llm):
+    prompts = [prompt(n, seed=n) for n in (3, 11, 7)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(outs) == 3
+    for p, o in zip(prompts, outs):
+        assert {"text", "token_ids", "finish_reason"} <= set(o)
+        assert len(o["token_ids"]) == 5 and o["finish_reason"] == "length"
+        alone = llm.generate([p], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        assert alone["token_ids"] == o["token_ids"]  # generated ids only, matched to their own prompt
+
+
+def test_sampling_params_list_applies_per_prompt(llm):
+    prompts = [prompt(n, seed=n) for n in (4, 8, 12)]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 9, 1)])
+    assert [len(o["token_ids"]) for o in outs] == [3, 9, 1]
+    single = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o["token_ids"]) for o in single] == [6, 6, 6]
+    assert all(a["token_ids"][:3] == b["token_ids"][:3] for a, b in zip(outs[:2], single[:2]))
+    assert_all_kv_free(llm)
+
+
+def test_prompt_at_max_seq_len_minus_one_generates_one_token(llm):
+    outs = llm.generate([prompt(MAX_SEQ_LEN - 1), prompt(MAX_SEQ_LEN - 3, seed=1)],
+                        SamplingParams(max_tokens=50, ignore_eos=True))
+    assert [len(o["token_ids"]) for o in outs] == [1, 3]
+    assert all(o["finish_reason"] == "length" for o in outs)
+    assert_all_kv_free(llm)
+
+
+def test_stop_token_ids_end_generation(llm, hf_reference):
+    p = prompt(10, seed=3)
+    greedy = hf_reference(ARCH).greedy(p, 24)
+    stop = next(t for i, t in enumerate(greedy) if i >= 4 and t not in greedy[:i])  # first seen at index >= 4
+    k = greedy.index(stop)
+    out = llm.generate([p], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["token_ids"] in (greedy[:k], greedy[: k + 1]), (out["token_ids"], greedy, stop)
+    assert_all_kv_free(llm)
+
+
+def test_eos_ends_generation_unless_ignored(tmp_path, tiny_model_dirs):
+    """The config's eos_token_id ends a request (finish_reason "stop"); ignore_eos runs to max_tokens."""
+    p = prompt(8, seed=4)
+    ref = HFReference(tiny_model_dirs[ARCH])
+    greedy = ref.greedy(p, 20)
+    eos = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    k = greedy.index(eos)
+    model = tmp_path / "with_eos"
+    shutil.copytree(tiny_model_dirs[ARCH], model)
+    for name in ("config.json", "generation_config.json"):
+        if (model / name).exists():
+            cfg = json.loads((model / name).read_text())
+            cfg["eos_token_id"] = eos
+            (model / name).write_text(json.dumps(cfg))
+    with make_llm(str(model), **tiny_llm_kwargs()) as llm:
+        stopped = llm.generate([p], SamplingParams(max_tokens=20))[0]
+        assert stopped["finish_reason"] == "stop"
+        assert stopped["token_ids"] in (greedy[:k], greedy[: k + 1])
+        ignored = llm.generate([p], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+        assert ignored["finish_reason"] == "length"
+        assert_tokens_equal_hf(ignored["token_ids"], ref, p, what="ignore_eos")
+        assert_all_kv_free(llm)
+
+
+# ---- KV slots and shutdown ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_type", ["naive", "radix"])
+def test_every_kv_slot_is_free_after_generate(tiny_model_dirs, cache_type):
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(cache_type=cache_type, page_size=4)) as llm:
+        total = llm.scheduler.num_total_pages
+        for round_ in range(3):
+            prompts = [prompt(n, seed=round_ * 10 + n) for n in (3, 9, 17, 30, 31)]
+            llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 7, 12, 3, 20)])
+            assert_all_kv_free(llm)
+        if cache_type == "naive":  # nothing is kept: the whole pool is free
+            assert llm.scheduler.num_free_pages() == total
+
+
+def test_shutdown_frees_the_engine_and_a_new_llm_works(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs[ARCH], **tiny_llm_kwargs())
+    p = prompt(12, seed=9)
+    before = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"]
+    engine = llm.scheduler.engine
+    refs = [weakref.ref(engine.model), weakref.ref(engine.kv_pool)]
+    kv_tensor = weakref.ref(engine.kv_pool.k(0))
+    del engine
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    gc.collect()
+    assert all(r() is None for r in refs), "the model or the KV pool outlived shutdown()"
+    assert kv_tensor() is None, "a KV cache tensor outlived shutdown()"
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs()) as again:
+        assert again.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"] == before
+
+
+def test_llm_accepts_a_gguf_file_path(default_model_dir):
+    """`LLM(path)` with a .gguf file resolves to the converted (cached) directory."""
+    from minisgl.utils.hf import default_model_path, resolve_model_path
+
+    gguf = default_model_path()
+    assert gguf.endswith(".gguf") and os.path.isfile(gguf)
+    assert resolve_model_path(gguf) == default_model_dir
+    assert os.path.isfile(os.path.join(default_model_dir, "config.json"))
