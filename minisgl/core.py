@@ -71,6 +71,7 @@ class Req:
     cache_handle: Any = None  # the prefix-cache node locked for this request
     cache_len: int = 0  # tokens covered by cache_handle (held by the prefix cache)
     pages: List[int] = field(default_factory=list)  # KV pages covering positions 0.., in order
+    table_len: int = 0  # positions whose slots are written in the device page table
     finished: bool = False
     finish_reason: Optional[str] = None
     max_total_len: int = 0  # prompt + max_tokens, capped by the model's maximum length

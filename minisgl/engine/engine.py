@@ -82,8 +82,8 @@ class Engine:
                               head_dim=cfg.head_dim, max_seq_len=self.max_seq_len, device=self.device,
                               dtype=self.dtype)
         self.num_pages = self._plan_pages(attn_cfg)
-        self.kv_pool = KVPool(cfg.num_layers, self.num_pages, config.page_size, attn_cfg.num_kv_heads,
-                              cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, attn_cfg.num_kv_heads,
+                              cfg.head_dim, self.dtype, self.device)  # +1: dummy page for graph padding
         rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
         self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)

@@ -134,6 +134,11 @@ class SchedulerIO:
         params = msg.sampling_params
         max_len = self.scheduler.max_seq_len
         try:
+            if len(input_ids) >= max_len:
+                raise ValueError(
+                    f"the prompt has {len(input_ids)} tokens; the context length is {max_len}, "
+                    "which must leave room for at least one generated token"
+                )
             if msg.max_tokens_auto:  # max_tokens is only a ceiling: the context may leave less
                 params.max_tokens = max(1, min(params.max_tokens, max_len - len(input_ids)))
             elif len(input_ids) + params.max_tokens > max_len:

@@ -114,4 +114,7 @@ class PrefillManager:
         plan.prefix_lens.append(req.cached_len)
         plan.extend_lens.append(n)
         self.stats["computed_prompt_tokens"] += n
+        # cached at once: a later request of this same batch shares it (the backend stores every new
+        # K/V of the batch before any attention reads them)
+        self.cache.insert(req, req.cached_len + n)
         self.chunked = req if req.cached_len + n < len(req.token_ids) else None

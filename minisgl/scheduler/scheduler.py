@@ -150,23 +150,27 @@ class Scheduler:
     def _prepare_prefill(self, plan: PrefillPlan) -> Batch:
         sample_mask = [p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)]
         batch = Batch(plan.reqs, "prefill", plan.prefix_lens, plan.extend_lens, sample_mask)
-        positions, input_ids, rows, out_loc = [], [], [], []
+        positions, input_ids, out_loc, pt_rows, pt_pos, pt_slots = [], [], [], [], [], []
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
             positions.extend(range(prefix, prefix + extend))
             input_ids.extend(req.token_ids[prefix:prefix + extend])
-            rows.extend([req.table_idx] * extend)
-            out_loc.append(self.cache.slots_of(req.pages, prefix + extend)[prefix:])
-            self.engine.page_table[req.table_idx, :prefix] = self.cache.slots_of(req.pages, prefix).to(self.device)
+            slots = self.cache.slots_of(req.pages, prefix + extend).tolist()
+            out_loc.extend(slots[prefix:])
+            # the page-table row also needs the cached prefix when the request was just admitted
+            start = req.table_len
+            pt_rows.extend([req.table_idx] * (prefix + extend - start))
+            pt_pos.extend(range(start, prefix + extend))
+            pt_slots.extend(slots[start:])
+            req.table_len = prefix + extend
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
-        self._to_device(batch, positions, torch.cat(out_loc).tolist(), rows, input_ids,
+        self._to_device(batch, positions, out_loc, (pt_rows, pt_pos, pt_slots), input_ids,
                         logits_idx=ends[sampled].tolist(),
                         sample_rows=[plan.reqs[i].table_idx for i in sampled],
                         sample_pos=[plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled])
         for req, prefix, extend, s in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, sample_mask):
             req.cached_len = prefix + extend
             req.device_len = req.cached_len + 1 if s else req.cached_len
-            self.cache.insert(req, req.cached_len)  # later requests (even in this batch) share it
             if s:
                 self.decode.add(req)
         return batch
@@ -195,7 +199,9 @@ class Scheduler:
         out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
         rows = [r.table_idx for r in reqs]
         batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
-        self._to_device(batch, positions, out_loc, rows, None, logits_idx=None, sample_rows=rows,
+        for r in reqs:
+            r.table_len = r.cached_len + 1
+        self._to_device(batch, positions, out_loc, (rows, positions, out_loc), None, logits_idx=None, sample_rows=rows,
                         sample_pos=[p + 1 for p in positions])
         for r in reqs:
             r.cached_len += 1
@@ -209,33 +215,34 @@ class Scheduler:
         self.num_retractions += 1
         self.decode.remove(req)
         self._release(req)
-        req.cached_len = req.device_len = 0
+        req.cached_len = req.device_len = req.table_len = 0
         self.prefill.add(req, front=True)
 
     def _release(self, req: Req) -> None:
         self.cache.release(req)
         if req.table_idx >= 0:
             self.table.free(req.table_idx)
-            req.table_idx = -1
+            req.table_idx, req.table_len = -1, 0
 
-    def _to_device(self, batch: Batch, positions: List[int], out_loc: List[int], rows: List[int],
-                   input_ids: Optional[List[int]], logits_idx: Optional[List[int]], sample_rows: List[int],
+    def _to_device(self, batch: Batch, positions: List[int], out_loc: List[int],
+                   page_table_writes: Tuple[List[int], List[int], List[int]], input_ids: Optional[List[int]], logits_idx: Optional[List[int]], sample_rows: List[int],
                    sample_pos: List[int]) -> None:
         """Pack the step's host integers into one tensor, copy it to the device in one go, and fill in
         the batch's device tensors and the page table."""
         table_idx = [r.table_idx for r in batch.reqs]
         seq_lens = batch.seq_lens
-        parts = [positions, out_loc, rows, table_idx, seq_lens, sample_rows, sample_pos,
+        parts = [positions, out_loc, *page_table_writes, table_idx, seq_lens, sample_rows, sample_pos,
                  logits_idx or [], input_ids or []]
         host = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
         if is_cuda(self.device):
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        (pos_t, loc_t, rows_t, tidx_t, lens_t, srows_t, spos_t, lidx_t, ids_t) = dev.split([len(p) for p in parts])
+        (pos_t, loc_t, pt_rows, pt_pos, pt_slots, tidx_t, lens_t, srows_t, spos_t, lidx_t, ids_t) = \
+            dev.split([len(p) for p in parts])
         batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t = pos_t, loc_t, tidx_t, lens_t
         batch.sample_table_idx, batch.sample_pos = srows_t, spos_t
         batch.logits_idx = lidx_t.long() if logits_idx is not None else None
-        self.engine.page_table[rows_t, pos_t] = loc_t
+        self.engine.page_table[pt_rows, pt_pos] = pt_slots
         if input_ids is not None:
             batch.input_ids = ids_t
         else:  # decode: the input is the token sampled last step, already in the device token pool

@@ -129,8 +129,10 @@ class GenerateRequest(_Body):
     stream: bool | None = None
 
 
-_TYPE_HINTS = {
+_TYPE_HINTS = {  # what a field must be, for the error message
     "messages": "a list of {role, content} objects",
+    "role": "a string",
+    "content": "a string or a list of {type: text, text} parts",
     "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
     "stop": "a string or a list of strings / token ids",
     "text": "a string or a list of strings",
@@ -146,8 +148,9 @@ def _validation_error(e: ValidationError) -> APIError:
         param += f"[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 and isinstance(loc[2], str) else "")
     if err["type"] == "missing":
         return APIError(f"'{param}' is required", param, "missing_required_parameter")
-    hint = _TYPE_HINTS.get(str(loc[0])) if loc else None
-    msg = f"'{param}' must be {hint}" if hint and len(loc) >= 1 else f"invalid '{param}': {err['msg']}"
+    field_name = param.rsplit(".", 1)[-1] if param else ""
+    hint = _TYPE_HINTS.get(field_name)
+    msg = f"'{param}' must be {hint}" if hint else f"invalid '{param}': {err['msg']}"
     return APIError(msg, param, "invalid_type")
 
 
@@ -307,7 +310,9 @@ def _prompts(value: Any, param: str) -> list[Prompt]:
     prompts: list[Prompt] = []
     for item in items:
         if not item:
-            raise APIError(f"'{param}' must not contain an empty prompt", param, "invalid_value")
+            raise APIError(
+                f"'{param}' must not be empty (nor contain an empty prompt)", param, "invalid_value"
+            )
         if isinstance(item, str):
             prompts.append((item, None))
         elif any(t < 0 for t in item):

@@ -177,7 +177,8 @@ class ServiceProcesses:
             )
         for p in self.procs:
             p.start()
-        logger.info(f"Started {len(self.procs)} worker processes: " + ", ".join(p.name for p in self.procs))
+        names = ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
+        logger.info(f"Started {len(self.procs)} worker processes: {names}")
 
     def _errors(self) -> list[str]:
         out = []
@@ -247,6 +248,7 @@ class ServiceProcesses:
                 p.kill()
                 p.join(1.0)
         self.ack_queue.close()
+        self.ack_queue.join_thread()
 
 
 def _free_port() -> int:
@@ -259,11 +261,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds into the cleanup below
 
 
-def _serve_http(args: ServerArgs, service: ServiceProcesses, ready: dict[str, dict[str, Any]]) -> int:
-    import uvicorn
+def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
+    import uvicorn  # imported while the workers load
 
     from .api_server import create_app
 
+    ready = service.wait_ready()
     max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))
     app = create_app(args, max_seq_len, health=service.all_alive)
     server = uvicorn.Server(
@@ -305,12 +308,12 @@ def launch(args: ServerArgs) -> int:
     service = ServiceProcesses(args)
     try:
         service.start()
-        ready = service.wait_ready()
         if args.shell:
             from minisgl.shell import run_shell
 
+            service.wait_ready()
             return run_shell(args, service)
-        return _serve_http(args, service, ready)
+        return _serve_http(args, service)
     except WorkerDied as e:
         logger.error(f"{e}; shutting the service down")
         return 1

@@ -1,0 +1,333 @@
+"""The Triton attention backend, the default on CUDA: paged decode with split KV, and prefill/extend over a
+cached prefix, both reading K/V through the per-token page table (so any page size works unchanged).
+
+Decode runs in two stages. Stage 1 has one program per (request, KV head, split): it loads the query heads
+of that KV head's GQA group together, so each K/V row is read once, and it writes a partial output plus
+the split's log-sum-exp. Stage 2 merges the splits of each (request, query head). The number of splits is
+chosen so the first stage fills the GPU several times over even at batch size 1.
+
+Prefill/extend is one flash-attention launch over the new tokens of every request: a program owns a tile
+of one request's new queries for one query head, streams the keys 0..prefix+i through the page table with
+an online softmax, and applies the causal mask only on the tiles that cross the diagonal.
+
+Also runs on CPU tensors under TRITON_INTERPRET=1 (the CPU tests), with smaller tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernel import triton_ops
+
+from .base import AttnConfig, BaseAttnBackend
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache.pool import KVPool
+
+_LOG2E = 1.4426950408889634
+_WAVES = 4  # stage-1 programs per SM to aim for: several waves hide the tail of uneven splits
+_MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism gains
+
+
+# ---- decode --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr,
+                         mid_o_ptr, mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_pt, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                         scale_log2, GROUP, D, NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
+    keys; write the normalised partial output and its log2-sum-exp (-inf for an empty split)."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    # split lengths are whole key blocks, so only the sequence's last block needs a bounds mask
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_h
+    head_mask = offs_h < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < D
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_mask = offs_n < end
+        slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=key_mask, other=0).to(tl.int64)
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+        qk = tl.where(key_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block in the loop holds a real key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mid = mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dims[None, :]
+    tl.store(mid, out, mask=head_mask[:, None] & dim_mask[None, :])
+    tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, stride_ms, stride_lb,
+                         stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < D
+    lse = tl.load(mid_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits (-inf) weigh 0; split 0 always holds keys
+    o = tl.load(mid_o_ptr + b * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
+                mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+# ---- prefill / extend ----------------------------------------------------------------------------------
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv_head, stride_kt, stride_kh,
+                  stride_vt, stride_vh, scale_log2, dims, dim_mask, q_pos, kv_end, CAUSAL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One key block of the online softmax. CAUSAL: the block crosses the diagonal or the sequence end,
+    so keys past a query's position (or past kv_end) are masked; otherwise every key is visible."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if CAUSAL:
+        key_mask = offs_n < kv_end
+        slots = tl.load(pt_row_ptr + offs_n, mask=key_mask, other=0).to(tl.int64)
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+    else:
+        slots = tl.load(pt_row_ptr + offs_n).to(tl.int64)
+        kv_mask = dim_mask[None, :]
+    k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=kv_mask,
+                other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    if CAUSAL:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    # m_i is finite after the first block: key 0 is visible to every query and comes first
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask,
+                other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr, q_start_ptr,
+                   prefix_ptr, extend_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_ot, stride_oh, stride_pt, scale_log2, GROUP, D, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (request b, query head, query tile): new query i of b sits at position prefix + i and sees
+    keys 0..prefix + i, all read from the pool (store_kv has written the new ones already)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    extend = tl.load(extend_ptr + b)
+    if m_start >= extend:  # the grid covers the longest request; shorter ones stop early
+        return
+    prefix = tl.load(prefix_ptr + b)
+    q_start = tl.load(q_start_ptr + b).to(tl.int64)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < extend
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < D
+    q_rows = q_start + offs_m
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+    pt_row_ptr = page_table_ptr + row * stride_pt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # keys 0..prefix + m_start are visible to every query of the tile: whole blocks of them need no mask
+    full_end = (prefix + m_start + 1) // BLOCK_N * BLOCK_N
+    kv_end = prefix + tl.minimum(m_start + BLOCK_M, extend)
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv_head,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims, dim_mask,
+                                      q_pos, kv_end, False, BLOCK_N, PRECISION)
+    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: at most BLOCK_M / BLOCK_N + 1 blocks
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv_head,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims, dim_mask,
+                                      q_pos, kv_end, True, BLOCK_N, PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+# ---- the backend ---------------------------------------------------------------------------------------
+@dataclass
+class TritonDecodeMetadata:
+    table_idx: torch.Tensor  # [B] page-table row of each request
+    seq_lens: torch.Tensor  # [B] keys of each request, the new token included
+    num_splits: int
+    mid_o: torch.Tensor  # [B, Hq, num_splits, D] float32: each split's normalised partial output
+    mid_lse: torch.Tensor  # [B, Hq, num_splits] float32: each split's log2-sum-exp
+
+
+@dataclass
+class TritonExtendMetadata:
+    table_idx: torch.Tensor  # [B]
+    q_start: torch.Tensor  # [B] first row of each request's new tokens in q (cu_seqlens without the end)
+    prefix_lens: torch.Tensor  # [B] cached tokens before the new ones
+    extend_lens: torch.Tensor  # [B] new tokens
+    max_extend: int  # sizes the grid
+
+
+class TritonAttnBackend(BaseAttnBackend):
+    """Split-KV paged decode and flash-attention extend in Triton; supports CUDA graphs for decode."""
+
+    def __init__(self, config: AttnConfig, kv_pool: "KVPool", page_table: torch.Tensor) -> None:
+        super().__init__(config, kv_pool, page_table)
+        assert config.num_heads % config.num_kv_heads == 0
+        self.group = config.num_heads // config.num_kv_heads
+        on_gpu = config.device.type == "cuda"
+        if on_gpu:
+            self.num_sms = torch.cuda.get_device_properties(config.device).multi_processor_count
+            self.decode_block_n = 64
+            self.extend_blocks = (128, 64) if config.head_dim <= 128 else (64, 32)
+        else:  # TRITON_INTERPRET: small tiles, so short test sequences still cross several tiles and splits
+            self.num_sms = 4
+            self.decode_block_n = 16
+            self.extend_blocks = (16, 16)
+        # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
+        self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
+        self._graph_splits: Dict[int, int] = {}
+        self._graph_mid_o: Optional[torch.Tensor] = None
+        self._graph_mid_lse: Optional[torch.Tensor] = None
+
+    # ---- metadata --------------------------------------------------------------------------------
+    def num_splits(self, batch_size: int, max_seq_len: int) -> int:
+        """Splits per (request, KV head): enough stage-1 programs for _WAVES per SM, at most one split
+        per key block, capped at _MAX_SPLITS."""
+        programs = batch_size * self.config.num_kv_heads
+        wanted = triton.cdiv(self.num_sms * _WAVES, programs)
+        blocks = triton.cdiv(max_seq_len, self.decode_block_n)
+        return max(1, min(wanted, blocks, _MAX_SPLITS))
+
+    def _decode_metadata(self, batch: "Batch", num_splits: int, mid_o: torch.Tensor,
+                         mid_lse: torch.Tensor) -> TritonDecodeMetadata:
+        return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse)
+
+    def prepare_metadata(self, batch: "Batch") -> None:
+        cfg, device = self.config, self.config.device
+        if batch.is_decode:
+            bs = batch.size
+            splits = self.num_splits(bs, max(batch.seq_lens))  # host list: no device sync
+            mid_o = torch.empty((bs, cfg.num_heads, splits, cfg.head_dim), dtype=torch.float32, device=device)
+            mid_lse = torch.empty((bs, cfg.num_heads, splits), dtype=torch.float32, device=device)
+            batch.attn_metadata = self._decode_metadata(batch, splits, mid_o, mid_lse)
+            return
+        starts, start = [], 0
+        for extend in batch.extend_lens:
+            starts.append(start)
+            start += extend
+        host = torch.tensor(starts + list(batch.prefix_lens) + list(batch.extend_lens), dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()  # so the copy below is asynchronous
+        q_start, prefix_lens, extend_lens = host.to(device, non_blocking=True).split(batch.size)
+        batch.attn_metadata = TritonExtendMetadata(batch.table_idx, q_start, prefix_lens, extend_lens,
+                                                   max(batch.extend_lens))
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: "Batch") -> torch.Tensor:
+        k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
+        triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+        if batch.is_decode:
+            return self._decode(q, k_cache, v_cache, batch.attn_metadata)
+        return self._extend(q, k_cache, v_cache, batch.attn_metadata)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonDecodeMetadata) -> torch.Tensor:
+        bs, num_heads, head_dim = q.shape
+        mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
+        block_d = triton.next_power_of_2(head_dim)
+        block_h = max(16, triton.next_power_of_2(self.group))  # tl.dot needs >= 16 rows on a GPU
+        _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
+            q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, mid_o, mid_lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            self.page_table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, BLOCK_H=block_h,
+            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, num_warps=4, num_stages=2)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _decode_merge_kernel[(bs, num_heads)](
+            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1), splits, head_dim,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        return out
+
+    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonExtendMetadata) -> torch.Tensor:
+        head_dim = q.shape[2]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        block_m, block_n = self.extend_blocks
+        grid = (meta.table_idx.shape[0], self.config.num_heads, triton.cdiv(meta.max_extend, block_m))
+        _extend_kernel[grid](
+            q, k_cache, v_cache, out, self.page_table, meta.table_idx, meta.q_start, meta.prefix_lens,
+            meta.extend_lens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), out.stride(0), out.stride(1), self.page_table.stride(0), self.scale * _LOG2E,
+            self.group, head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+            PRECISION=self.precision, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+        return out
+
+    # ---- CUDA graphs (decode) --------------------------------------------------------------------
+    def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
+        """Fix the split count of every captured size (sequence lengths are unknown at capture, so it
+        assumes the longest) and allocate one partial-result buffer that the largest of them fits."""
+        cfg = self.config
+        self._graph_splits = {bs: self.num_splits(bs, cfg.max_seq_len) for bs in capture_bs}
+        rows = max(bs * s for bs, s in self._graph_splits.items()) * cfg.num_heads
+        self._graph_mid_o = torch.empty(rows * cfg.head_dim, dtype=torch.float32, device=cfg.device)
+        self._graph_mid_lse = torch.empty(rows, dtype=torch.float32, device=cfg.device)
+
+    def prepare_for_capture(self, batch: "Batch") -> None:
+        """batch's table_idx and seq_lens_t are the graph runner's fixed buffers; the metadata points at
+        them and at views of this backend's fixed partial-result buffers."""
+        assert self._graph_mid_o is not None, "init_capture_graph first"
+        cfg, bs = self.config, batch.size
+        splits = self._graph_splits[bs]
+        n = bs * cfg.num_heads * splits
+        mid_o = self._graph_mid_o[: n * cfg.head_dim].view(bs, cfg.num_heads, splits, cfg.head_dim)
+        mid_lse = self._graph_mid_lse[:n].view(bs, cfg.num_heads, splits)
+        batch.attn_metadata = self._decode_metadata(batch, splits, mid_o, mid_lse)
+
+    def prepare_for_replay(self, batch: "Batch") -> None:
+        """Nothing to refresh: the captured kernels read the page table, the runner's table_idx and
+        seq_lens buffers (refreshed by the runner before this call) and compute split bounds on the device."""
+        assert batch.padded_size in self._graph_splits, f"batch size {batch.padded_size} was not captured"
