@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -25,31 +26,96 @@ class TinySpec:
 
     name: str
     architecture: str
-    config_kwargs: Dict[str, Any] = field(default_factory=dict)
+    config_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
 
 # GQA everywhere; head_dim != hidden / heads where the architecture reads head_dim from the config.
-TINY_SPECS: Dict[str, TinySpec] = {
+TINY_SPECS: dict[str, TinySpec] = {
     spec.name: spec
     for spec in [
-        TinySpec("llama", "LlamaForCausalLM", dict(
-            vocab_size=733, hidden_size=64, intermediate_size=136, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True), seed=1),
-        TinySpec("llama3_rope", "LlamaForCausalLM", dict(
-            vocab_size=611, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
-            num_attention_heads=6, num_key_value_heads=2, head_dim=20, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="llama3", rope_theta=50000.0, factor=4.0, low_freq_factor=1.0,
-                                 high_freq_factor=4.0, original_max_position_embeddings=32)), seed=2),
-        TinySpec("qwen2", "Qwen2ForCausalLM", dict(
-            vocab_size=901, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-            num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False), seed=3),
-        TinySpec("qwen3", "Qwen3ForCausalLM", dict(
-            vocab_size=1000, hidden_size=64, intermediate_size=144, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=40, tie_word_embeddings=True), seed=4),
-        TinySpec("mistral", "MistralForCausalLM", dict(
-            vocab_size=853, hidden_size=80, intermediate_size=152, num_hidden_layers=2,
-            num_attention_heads=6, num_key_value_heads=3, head_dim=24, tie_word_embeddings=False), seed=5),
+        TinySpec(
+            "llama",
+            "LlamaForCausalLM",
+            {
+                "vocab_size": 733,
+                "hidden_size": 64,
+                "intermediate_size": 136,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 24,
+                "tie_word_embeddings": True,
+            },
+            seed=1,
+        ),
+        TinySpec(
+            "llama3_rope",
+            "LlamaForCausalLM",
+            {
+                "vocab_size": 611,
+                "hidden_size": 96,
+                "intermediate_size": 200,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+                "head_dim": 20,
+                "tie_word_embeddings": False,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 50000.0,
+                    "factor": 4.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
+            },
+            seed=2,
+        ),
+        TinySpec(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            {
+                "vocab_size": 901,
+                "hidden_size": 96,
+                "intermediate_size": 160,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+                "tie_word_embeddings": False,
+            },
+            seed=3,
+        ),
+        TinySpec(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            {
+                "vocab_size": 1000,
+                "hidden_size": 64,
+                "intermediate_size": 144,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 40,
+                "tie_word_embeddings": True,
+            },
+            seed=4,
+        ),
+        TinySpec(
+            "mistral",
+            "MistralForCausalLM",
+            {
+                "vocab_size": 853,
+                "hidden_size": 80,
+                "intermediate_size": 152,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 3,
+                "head_dim": 24,
+                "tie_word_embeddings": False,
+            },
+            seed=5,
+        ),
     ]
 }
 ARCH_NAMES = list(TINY_SPECS)
@@ -72,8 +138,12 @@ def build_tiny_model(spec: TinySpec, out_dir: str) -> str:
     from transformers import AutoModelForCausalLM
 
     config = _config_class(spec.architecture)(
-        initializer_range=0.15, rms_norm_eps=1e-6, max_position_embeddings=TINY_MAX_POSITIONS,
-        architectures=[spec.architecture], **spec.config_kwargs)
+        initializer_range=0.15,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        architectures=[spec.architecture],
+        **spec.config_kwargs,
+    )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -88,16 +158,16 @@ class HFReference:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self._memo: Dict[Tuple[Tuple[int, ...], int], Tuple[List[int], List[float]]] = {}
+        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
 
     @torch.no_grad()
-    def greedy_with_margins(self, prompt: Sequence[int], n: int) -> Tuple[List[int], List[float]]:
+    def greedy_with_margins(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
         """n greedy tokens (no EOS stop) and, per step, the gap between the two largest logits."""
         key = (tuple(prompt), n)
         if key not in self._memo:
             ids = torch.tensor([list(prompt)], dtype=torch.long)
-            tokens: List[int] = []
-            margins: List[float] = []
+            tokens: list[int] = []
+            margins: list[float] = []
             for _ in range(n):
                 logits = self.model(input_ids=ids, use_cache=False).logits[0, -1].float()
                 top2 = logits.topk(2).values
@@ -108,7 +178,7 @@ class HFReference:
             self._memo[key] = (tokens, margins)
         return self._memo[key]
 
-    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
+    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
         return self.greedy_with_margins(prompt, n)[0]
 
 
@@ -116,7 +186,9 @@ class HFReference:
 TIE_TOLERANCE = 1e-4
 
 
-def assert_tokens_equal_hf(ours: Sequence[int], ref: HFReference, prompt: Sequence[int], what: str = "") -> None:
+def assert_tokens_equal_hf(
+    ours: Sequence[int], ref: HFReference, prompt: Sequence[int], what: str = ""
+) -> None:
     """minisgl's greedy tokens equal Hugging Face's, token for token; a first difference is excused only
     at an exact float32 near-tie of Hugging Face's top two logits."""
     expected, margins = ref.greedy_with_margins(prompt, len(ours))
@@ -129,22 +201,23 @@ def assert_tokens_equal_hf(ours: Sequence[int], ref: HFReference, prompt: Sequen
     raise AssertionError(
         f"{what}: minisgl and Hugging Face differ first at generated token {first} "
         f"(ours {ours[first]}, HF {expected[first]}, HF top-2 logit gap {margins[first]:.3g})\n"
-        f"ours: {ours}\nHF:   {expected}")
+        f"ours: {ours}\nHF:   {expected}"
+    )
 
 
-def random_prompt(length: int, vocab_size: int, seed: int) -> List[int]:
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=g).tolist()
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory) -> Dict[str, str]:
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     """name -> directory of a saved tiny random model, for every architecture."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {name: build_tiny_model(spec, str(root / name)) for name, spec in TINY_SPECS.items()}
 
 
-_HF_REFS: Dict[str, HFReference] = {}
+_HF_REFS: dict[str, HFReference] = {}
 
 
 @pytest.fixture(scope="session")
@@ -159,10 +232,15 @@ def hf_reference(tiny_model_dirs) -> Callable[[str], HFReference]:
     return get
 
 
-def tiny_llm_kwargs(**overrides: Any) -> Dict[str, Any]:
+def tiny_llm_kwargs(**overrides: Any) -> dict[str, Any]:
     """LLM arguments for a tiny model on a CPU: float32, torch attention, a small pool."""
-    kwargs: Dict[str, Any] = dict(dtype=torch.float32, attn="torch", num_page_override=4096, max_running_req=32,
-                                  show_progress=False)
+    kwargs: dict[str, Any] = {
+        "dtype": torch.float32,
+        "attn": "torch",
+        "num_page_override": 4096,
+        "max_running_req": 32,
+        "show_progress": False,
+    }
     kwargs.update(overrides)
     if "page_size" in overrides and "num_page_override" not in overrides:
         kwargs["num_page_override"] = 4096 // overrides["page_size"] + 64
@@ -196,7 +274,8 @@ def assert_all_kv_free(llm: Any) -> None:
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     cached = sched.cache.cache.cached_pages
     assert sched.num_free_pages() + cached == sched.num_total_pages, (
-        f"{sched.num_free_pages()} free + {cached} cached != {sched.num_total_pages} pages")
+        f"{sched.num_free_pages()} free + {cached} cached != {sched.num_total_pages} pages"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,9 @@ def test_default_model_resolves_to_the_embedded_gguf(default_llm, default_model_
 
 
 def test_quickstart_prompts_equal_hf_greedy(default_llm, hf_default, tokenizer):
-    outs = default_llm.generate(QUICKSTART_PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    outs = default_llm.generate(
+        QUICKSTART_PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
     for prompt, out in zip(QUICKSTART_PROMPTS, outs):
         ids = tokenizer(prompt)["input_ids"]
         assert len(out["token_ids"]) == 16

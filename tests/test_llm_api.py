@@ -10,8 +10,15 @@ import shutil
 import weakref
 
 import pytest
-from conftest import TINY_SPECS, HFReference, assert_all_kv_free, assert_tokens_equal_hf, make_llm, \
-    random_prompt, tiny_llm_kwargs
+from conftest import (
+    TINY_SPECS,
+    HFReference,
+    assert_all_kv_free,
+    assert_tokens_equal_hf,
+    make_llm,
+    random_prompt,
+    tiny_llm_kwargs,
+)
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -33,17 +40,19 @@ def prompt(n: int, seed: int = 0):
 
 # ---- bad input --------------------------------------------------------------------------------------
 BAD_PARAMS = [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_p=-0.2), "top_p"),
-    (dict(top_k=0), "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.2}, "top_p"),
+    ({"top_k": 0}, "top_k"),
 ]
 
 
-@pytest.mark.parametrize("kwargs,names", BAD_PARAMS, ids=[f"{list(k)[0]}={list(k.values())[0]}" for k, _ in BAD_PARAMS])
+@pytest.mark.parametrize(
+    "kwargs,names", BAD_PARAMS, ids=[f"{next(iter(k))}={next(iter(k.values()))}" for k, _ in BAD_PARAMS]
+)
 def test_bad_sampling_params_raise_value_error_naming_the_field(llm, kwargs, names):
     with pytest.raises(ValueError, match=names):
         llm.generate([prompt(5)], SamplingParams(**kwargs))
@@ -127,8 +136,9 @@ def test_unsupported_real_architecture_raises_value_error(tmp_path):
     not by an AttributeError deep inside the config reader."""
     from transformers import GPT2Config
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, architectures=["GPT2LMHeadModel"]).save_pretrained(
-        tmp_path)
+    GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=100, architectures=["GPT2LMHeadModel"]
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path), **tiny_llm_kwargs())
 
@@ -156,8 +166,10 @@ def test_sampling_params_list_applies_per_prompt(llm):
 
 
 def test_prompt_at_max_seq_len_minus_one_generates_one_token(llm):
-    outs = llm.generate([prompt(MAX_SEQ_LEN - 1), prompt(MAX_SEQ_LEN - 3, seed=1)],
-                        SamplingParams(max_tokens=50, ignore_eos=True))
+    outs = llm.generate(
+        [prompt(MAX_SEQ_LEN - 1), prompt(MAX_SEQ_LEN - 3, seed=1)],
+        SamplingParams(max_tokens=50, ignore_eos=True),
+    )
     assert [len(o["token_ids"]) for o in outs] == [1, 3]
     assert all(o["finish_reason"] == "length" for o in outs)
     assert_all_kv_free(llm)

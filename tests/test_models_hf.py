@@ -8,11 +8,17 @@ together equal Hugging Face; each prompt alone equals the batched result; every 
 from __future__ import annotations
 
 import pytest
+from conftest import (
+    ARCH_NAMES,
+    TINY_SPECS,
+    assert_all_kv_free,
+    assert_tokens_equal_hf,
+    make_llm,
+    random_prompt,
+    tiny_llm_kwargs,
+)
 
 from minisgl.core import SamplingParams
-
-from conftest import ARCH_NAMES, TINY_SPECS, assert_all_kv_free, assert_tokens_equal_hf, make_llm, \
-    random_prompt, tiny_llm_kwargs
 
 PROMPT_LENS = [5, 17, 33, 60]
 # Different lengths: shorter requests leave the batch while the others keep decoding.
@@ -28,8 +34,9 @@ def params_for():
     return [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
 
 
-@pytest.fixture(scope="module", params=[(a, ps) for a in ARCH_NAMES for ps in (1, 4)],
-                ids=lambda p: f"{p[0]}-page{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(a, ps) for a in ARCH_NAMES for ps in (1, 4)], ids=lambda p: f"{p[0]}-page{p[1]}"
+)
 def arch_llm(request, tiny_model_dirs):
     arch, page_size = request.param
     with make_llm(tiny_model_dirs[arch], **tiny_llm_kwargs(page_size=page_size)) as llm:
@@ -68,7 +75,9 @@ def test_prompt_served_from_cache_equals_computed(arch_llm):
     before = llm.stats()
     second = llm.generate(prompts, params_for())
     after = llm.stats()
-    delta = {k: after[k] - before[k] for k in ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens")}
+    delta = {
+        k: after[k] - before[k] for k in ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens")
+    }
     assert delta["prompt_tokens"] == sum(PROMPT_LENS)
     # at least one prompt token is always computed, so the cached part stops at the last full page before it
     assert delta["cached_prompt_tokens"] == sum((n - 1) // ps * ps for n in PROMPT_LENS)

@@ -7,12 +7,17 @@ each also checks that a plausible mistake (ignoring the temperature, or the trun
 from __future__ import annotations
 
 import math
-from typing import List, Optional
 
 import pytest
 import torch
-from conftest import TINY_SPECS, assert_all_kv_free, assert_tokens_equal_hf, make_llm, random_prompt, \
-    tiny_llm_kwargs
+from conftest import (
+    TINY_SPECS,
+    assert_all_kv_free,
+    assert_tokens_equal_hf,
+    make_llm,
+    random_prompt,
+    tiny_llm_kwargs,
+)
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.sampler import Sampler, SamplingInfo
@@ -23,7 +28,7 @@ VOCAB = LOGITS.numel()
 DRAWS = 40_000
 
 
-def make_info(params: List[SamplingParams], positions: Optional[List[int]] = None) -> SamplingInfo:
+def make_info(params: list[SamplingParams], positions: list[int] | None = None) -> SamplingInfo:
     reqs = [Req(uid=i, token_ids=[0, 1, 2], sampling_params=p) for i, p in enumerate(params)]
     positions = positions if positions is not None else [3] * len(reqs)
     return SamplingInfo.build(reqs, positions, VOCAB, DEVICE)
@@ -116,9 +121,14 @@ def test_temperature_then_top_k_then_top_p():
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     torch.manual_seed(0)
     logits = torch.randn(6, VOCAB) * 3
-    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, top_p=0.5),
-              SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.9),
-              SamplingParams(temperature=0.0, top_k=3, seed=7)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, top_p=0.5),
+        SamplingParams(temperature=2.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.0, top_k=3, seed=7),
+    ]
     out = Sampler(DEVICE).sample(logits, make_info(params))
     argmax = logits.argmax(dim=-1)
     for row in (0, 2, 3, 5):  # temperature 0 or top-k 1: greedy whatever else is set
@@ -152,8 +162,9 @@ def test_same_seed_same_token_whatever_the_batch():
     others = torch.randn(3, VOCAB)
     batch_logits = torch.cat([others[:2], logits, others[2:]])
     params = [SamplingParams(temperature=1.0), SamplingParams(), seeded, SamplingParams(temperature=0.5)]
-    in_batch = [int(Sampler(DEVICE).sample(batch_logits, make_info(params, [pos, 9, pos, 4]))[2])
-                for pos in range(50)]
+    in_batch = [
+        int(Sampler(DEVICE).sample(batch_logits, make_info(params, [pos, 9, pos, 4]))[2]) for pos in range(50)
+    ]
     assert alone == in_batch
     assert len(set(alone)) > 1  # the seed does not freeze the draw: positions differ
 
@@ -181,8 +192,9 @@ def test_same_seed_same_text(llm):
     noisy = SamplingParams(temperature=1.3, max_tokens=30, ignore_eos=True)
     second = llm.generate(prompts + prompts, [seeded] * 3 + [noisy] * 3)[:3]
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
-    other = llm.generate(prompts, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True,
-                                                 seed=43))
+    other = llm.generate(
+        prompts, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=43)
+    )
     assert [o["token_ids"] for o in other] != [o["token_ids"] for o in first]
     assert_all_kv_free(llm)
 
@@ -192,8 +204,9 @@ def test_temperature_zero_and_top_k_one_equal_greedy(llm, hf_reference):
     greedy = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for prompt, out in zip(prompts, greedy):
         assert_tokens_equal_hf(out["token_ids"], hf_reference(ARCH), prompt, what="greedy")
-    zero_t = llm.generate(prompts, SamplingParams(temperature=0.0, top_p=0.3, top_k=5, seed=1, max_tokens=32,
-                                                  ignore_eos=True))
+    zero_t = llm.generate(
+        prompts, SamplingParams(temperature=0.0, top_p=0.3, top_k=5, seed=1, max_tokens=32, ignore_eos=True)
+    )
     top_k1 = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=32, ignore_eos=True))
     assert [o["token_ids"] for o in zero_t] == [o["token_ids"] for o in greedy]
     assert [o["token_ids"] for o in top_k1] == [o["token_ids"] for o in greedy]

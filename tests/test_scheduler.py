@@ -1,0 +1,328 @@
+"""The Scheduler: radix prefix sharing, chunked prefill, overlap scheduling, queueing and retraction,
+aborts, and the KV integrity check, all compared with Hugging Face greedy or a hand count.
+
+Every test ends with the integrity check: every page free or held by the prefix cache, no slot taken."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import (
+    TINY_SPECS,
+    assert_all_kv_free,
+    assert_tokens_equal_hf,
+    make_llm,
+    random_prompt,
+    tiny_llm_kwargs,
+)
+
+from minisgl.core import SamplingParams
+
+ARCH = "llama"
+VOCAB = TINY_SPECS[ARCH].config_kwargs["vocab_size"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def shared_prefix_prompts(prefix_len: int, suffix_lens: list[int], seed: int = 0) -> list[list[int]]:
+    prefix = random_prompt(prefix_len, VOCAB, seed)
+    return [prefix + random_prompt(n, VOCAB, seed + 1 + i) for i, n in enumerate(suffix_lens)]
+
+
+def record_batches(llm) -> list[tuple[str, list[int]]]:
+    """Spy on the engine: (phase, extend length per request) of every batch it computes."""
+    seen: list[tuple[str, list[int]]] = []
+    engine = llm.scheduler.engine
+    forward = engine.forward_batch
+
+    def spy(batch):
+        seen.append((batch.phase, list(batch.extend_lens)))
+        return forward(batch)
+
+    engine.forward_batch = spy
+    return seen
+
+
+def run(model_dir: str, prompts, params, batches=None, **kwargs) -> tuple[list[list[int]], dict[str, float]]:
+    """Generate with a fresh LLM; returns the token ids and the stats, after checking no KV leaked.
+    `batches`, a list, receives what record_batches saw."""
+    with make_llm(model_dir, **tiny_llm_kwargs(**kwargs)) as llm:
+        seen = record_batches(llm)
+        outs = llm.generate(prompts, params)
+        assert_all_kv_free(llm)
+        if batches is not None:
+            batches.extend(seen)
+        return [o["token_ids"] for o in outs], llm.stats()
+
+
+# ---- radix prefix cache -----------------------------------------------------------------------------
+SUFFIXES = [3, 9, 1, 14, 6, 11, 2, 8]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_shared_prefix_is_computed_once(tiny_model_dirs, hf_reference, page_size):
+    """8 requests sharing a 256-token prefix, submitted together: the prefix is computed once."""
+    prompts = shared_prefix_prompts(256, SUFFIXES)
+    outs, stats = run(tiny_model_dirs[ARCH], prompts, greedy(12), page_size=page_size)
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert stats["computed_prompt_tokens"] == 256 + sum(SUFFIXES)
+    assert stats["cached_prompt_tokens"] == 7 * 256
+    for p, o in list(zip(prompts, outs))[:3]:
+        assert_tokens_equal_hf(o, hf_reference(ARCH), p, what=f"shared prefix + {len(p) - 256}")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_shared_prefix_across_calls_is_served_from_cache(tiny_model_dirs, page_size):
+    """A prefix computed by an earlier call is read from the cache (page-aligned) by later ones."""
+    prompts = shared_prefix_prompts(256, SUFFIXES, seed=7)
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(page_size=page_size)) as llm:
+        first = llm.generate(prompts[:1], greedy(8))
+        before = llm.stats()
+        rest = llm.generate(prompts[1:], greedy(8))
+        after = llm.stats()
+        served = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+        assert served >= 7 * (256 // page_size * page_size)
+        assert (
+            after["computed_prompt_tokens"] - before["computed_prompt_tokens"]
+            == sum(len(p) for p in prompts[1:]) - served
+        )
+        assert_all_kv_free(llm)
+    naive, _ = run(tiny_model_dirs[ARCH], prompts, greedy(8), cache_type="naive", page_size=page_size)
+    assert [o["token_ids"] for o in first + rest] == naive
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_radix_and_naive_give_identical_outputs(tiny_model_dirs, page_size):
+    prompts = shared_prefix_prompts(40, [5, 20, 1, 33], seed=1) + shared_prefix_prompts(9, [2, 30], seed=2)
+    prompts += prompts[:2]  # exact repeats
+    params = [greedy(n) for n in (20, 5, 31, 12, 8, 17, 20, 3)]
+    radix, radix_stats = run(tiny_model_dirs[ARCH], prompts, params, cache_type="radix", page_size=page_size)
+    naive, naive_stats = run(tiny_model_dirs[ARCH], prompts, params, cache_type="naive", page_size=page_size)
+    assert radix == naive
+    assert naive_stats["cached_prompt_tokens"] == 0
+    assert radix_stats["cached_prompt_tokens"] > 0
+    assert (
+        radix_stats["computed_prompt_tokens"]
+        < naive_stats["computed_prompt_tokens"]
+        == sum(len(p) for p in prompts)
+    )
+
+
+# ---- chunked prefill --------------------------------------------------------------------------------
+def test_chunked_prefill_equals_unchunked_and_hf(tiny_model_dirs, hf_reference):
+    """A 1,000-token prompt with a 64-token budget, beside short requests that decode meanwhile."""
+    long_prompt = random_prompt(1000, VOCAB, seed=11)
+    prompts = [random_prompt(6, VOCAB, seed=12), long_prompt, random_prompt(70, VOCAB, seed=13)]
+    params = [greedy(40), greedy(16), greedy(24)]
+    batches: list[tuple[str, list[int]]] = []
+    chunked, stats = run(tiny_model_dirs[ARCH], prompts, params, batches=batches, max_prefill_length=64)
+    whole, _ = run(tiny_model_dirs[ARCH], prompts, params, max_prefill_length=4096)
+    assert chunked == whole
+    prefill_steps = [lens for phase, lens in batches if phase == "prefill"]
+    assert max(sum(lens) for lens in prefill_steps) <= 64
+    assert len(prefill_steps) >= 1000 // 64
+    assert stats["computed_prompt_tokens"] == sum(len(p) for p in prompts)
+    assert_tokens_equal_hf(chunked[1], hf_reference(ARCH), long_prompt, what="1000-token chunked prompt")
+    assert_tokens_equal_hf(chunked[2], hf_reference(ARCH), prompts[2], what="70-token prompt")
+
+
+@pytest.mark.parametrize("budget", [1, 7])
+def test_tiny_prefill_budgets_equal_unchunked(tiny_model_dirs, budget):
+    prompts = [random_prompt(n, VOCAB, seed=n) for n in (23, 5, 40)]
+    batches: list[tuple[str, list[int]]] = []
+    chunked, _ = run(
+        tiny_model_dirs[ARCH], prompts, greedy(10), batches=batches, max_prefill_length=budget, page_size=4
+    )
+    whole, _ = run(tiny_model_dirs[ARCH], prompts, greedy(10), page_size=4)
+    assert chunked == whole
+    assert all(sum(lens) <= budget for phase, lens in batches if phase == "prefill")
+
+
+# ---- overlap scheduling -----------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_overlap_on_and_off_give_identical_outputs(tiny_model_dirs, hf_reference, arch):
+    vocab = TINY_SPECS[arch].config_kwargs["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed=30 + n) for n in (4, 25, 13, 50, 2)]
+    params = [
+        greedy(n) for n in (1, 30, 2, 17, 25)
+    ]  # 1- and 2-token requests finish while a step is in flight
+    on, _ = run(tiny_model_dirs[arch], prompts, params, overlap=True)
+    off, _ = run(tiny_model_dirs[arch], prompts, params, overlap=False)
+    assert on == off
+    assert [len(o) for o in on] == [1, 30, 2, 17, 25]  # the extra in-flight token is never reported
+    for p, o in zip(prompts, on):
+        assert_tokens_equal_hf(o, hf_reference(arch), p, what=f"{arch} overlap")
+
+
+# ---- a pool too small: queueing and retraction --------------------------------------------------------
+SMALL_POOL_PROMPTS = [(30, 40), (12, 50), (45, 20), (8, 60), (25, 35), (50, 10), (3, 45), (20, 30)]
+
+
+def _small_pool_workload():
+    prompts = [random_prompt(n, VOCAB, seed=50 + i) for i, (n, _) in enumerate(SMALL_POOL_PROMPTS)]
+    return prompts, [greedy(m) for _, m in SMALL_POOL_PROMPTS]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("reserve_ratio", [1.0, 0.0], ids=["queueing", "retraction"])
+def test_small_pool_completes_every_request_like_a_large_pool(tiny_model_dirs, page_size, reserve_ratio):
+    """A pool of 160 tokens for 8 requests needing 483 together: requests wait (full reservation) or are
+    retracted and resumed (no reservation); outputs equal a large pool's."""
+    prompts, params = _small_pool_workload()
+    large, _ = run(tiny_model_dirs[ARCH], prompts, params, page_size=page_size)
+    small, stats = run(
+        tiny_model_dirs[ARCH],
+        prompts,
+        params,
+        page_size=page_size,
+        num_page_override=160 // page_size,
+        max_seq_len_override=128,
+        reserve_ratio=reserve_ratio,
+    )
+    assert small == large
+    assert stats["max_batch_size"] < len(prompts)
+    if reserve_ratio == 0.0:
+        assert stats["num_retractions"] > 0
+    else:
+        assert stats["num_retractions"] == 0
+
+
+def test_small_pool_with_naive_cache_and_no_overlap(tiny_model_dirs):
+    prompts, params = _small_pool_workload()
+    large, _ = run(tiny_model_dirs[ARCH], prompts, params, cache_type="naive")
+    small, stats = run(
+        tiny_model_dirs[ARCH],
+        prompts,
+        params,
+        cache_type="naive",
+        overlap=False,
+        num_page_override=160,
+        max_seq_len_override=128,
+        reserve_ratio=0.0,
+    )
+    assert small == large
+    assert stats["num_retractions"] > 0
+
+
+# ---- aborts -------------------------------------------------------------------------------------------
+class Driver:
+    """Drives llm.scheduler step by step and records every reported token per uid."""
+
+    def __init__(self, llm) -> None:
+        self.sched = llm.scheduler
+        self.tokens: dict[int, list[int]] = {}
+        self.finish: dict[int, str] = {}
+
+    def add(self, uid: int, prompt: list[int], params: SamplingParams) -> None:
+        self.sched.add_request(uid, prompt, params)
+        self.tokens[uid] = []
+
+    def step(self) -> None:
+        for res in self.sched.step():
+            assert res.uid not in self.finish, f"token reported for request {res.uid} after it finished"
+            self.tokens[res.uid].append(res.token_id)
+            if res.finished:
+                self.finish[res.uid] = res.finish_reason
+
+    def abort(self, uid: int) -> None:
+        assert self.sched.abort_request(uid)
+        self.finish[uid] = "abort"
+
+    def drain(self) -> None:
+        for _ in range(10_000):
+            if not self.sched.has_work:
+                return
+            self.step()
+        raise AssertionError("the scheduler did not become idle")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("stage", ["waiting", "prefilling", "decoding"])
+def test_abort_frees_everything_at_each_stage(tiny_model_dirs, hf_reference, stage, overlap):
+    kwargs = tiny_llm_kwargs(overlap=overlap, page_size=4, max_prefill_length=32)
+    survivor = random_prompt(10, VOCAB, seed=60)
+    victim = random_prompt(150, VOCAB, seed=61)  # five 32-token chunks
+    with make_llm(tiny_model_dirs[ARCH], **kwargs) as llm:
+        d = Driver(llm)
+        d.add(0, survivor, greedy(30))
+        d.add(1, victim, greedy(30))
+        if stage == "prefilling":
+            while d.sched.prefill.chunked is None or d.sched.prefill.chunked.uid != 1:
+                d.step()
+        elif stage == "decoding":
+            while len(d.tokens[1]) < 3:
+                d.step()
+        d.abort(1)
+        assert not d.sched.abort_request(1), "a second abort of the same uid finds nothing"
+        reported_at_abort = len(d.tokens[1])
+        d.drain()
+        assert len(d.tokens[1]) == reported_at_abort, "a token of the aborted request was reported"
+        assert d.finish[0] == "length" and len(d.tokens[0]) == 30
+        assert_tokens_equal_hf(d.tokens[0], hf_reference(ARCH), survivor, what="request beside an abort")
+        assert_all_kv_free(llm)
+        # the victim's pages were returned: the same prompt runs again to completion
+        again = llm.generate([victim], greedy(5))[0]["token_ids"]
+        assert_tokens_equal_hf(again, hf_reference(ARCH), victim, what="aborted prompt run again")
+        assert_all_kv_free(llm)
+
+
+def test_abort_of_unknown_uid_returns_false(tiny_model_dirs):
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs()) as llm:
+        assert llm.scheduler.abort_request(12345) is False
+        assert_all_kv_free(llm)
+
+
+# ---- randomized interleavings -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "seed,cache_type,page_size,overlap",
+    [
+        (0, "radix", 1, True),
+        (1, "radix", 4, True),
+        (2, "naive", 2, False),
+        (3, "radix", 4, False),
+    ],
+)
+def test_random_arrivals_and_aborts_never_leak_a_page(
+    tiny_model_dirs, hf_reference, seed, cache_type, page_size, overlap
+):
+    """Seeded random arrivals (sharing prefixes), steps and aborts in a pool small enough to evict and
+    retract: no page leaks, and every request that completes equals Hugging Face."""
+    rng = random.Random(seed)
+    prefixes = [random_prompt(rng.randint(4, 40), VOCAB, seed=1000 * seed + i) for i in range(3)]
+    kwargs = tiny_llm_kwargs(
+        cache_type=cache_type,
+        page_size=page_size,
+        overlap=overlap,
+        num_page_override=256 // page_size,
+        max_seq_len_override=128,
+        max_prefill_length=rng.choice([16, 48, 512]),
+        reserve_ratio=rng.choice([0.0, 0.5, 1.0]),
+        max_running_req=6,
+    )
+    prompts: dict[int, list[int]] = {}
+    with make_llm(tiny_model_dirs[ARCH], **kwargs) as llm:
+        d = Driver(llm)
+        uid = 0
+        for _ in range(160):
+            action = rng.random()
+            if action < 0.25 and uid < 24:
+                prefix = rng.choice(prefixes) if rng.random() < 0.7 else []
+                prompt = prefix + random_prompt(rng.randint(1, 30), VOCAB, seed=10_000 * seed + uid)
+                prompts[uid] = prompt
+                d.add(uid, prompt, greedy(rng.randint(1, 40)))
+                uid += 1
+            elif action < 0.32:
+                live = [u for u in prompts if u not in d.finish]
+                if live:
+                    d.abort(rng.choice(live))
+            else:
+                d.step()
+        d.drain()
+        assert_all_kv_free(llm)
+        completed = [u for u, why in d.finish.items() if why != "abort"]
+        assert len(completed) + sum(why == "abort" for why in d.finish.values()) == uid
+        for u in completed:
+            assert_tokens_equal_hf(d.tokens[u], hf_reference(ARCH), prompts[u], what=f"request {u}")
