@@ -153,3 +153,11 @@ def test_logprobs_name_their_tokens(tokenizer):
     lp = replies[0].logprobs[0]
     assert lp.token == tokenizer.decode([t]) and lp.logprob == -0.25
     assert lp.top[1] == ("<|im_end|>", 2, -3.0)
+
+
+def test_a_character_cut_off_by_the_end_of_the_output_is_dropped_not_broken(tokenizer):
+    ids = tokenizer.encode("ok 🎉")
+    assert "\ufffd" in tokenizer.decode(ids[:-1]), "the emoji should span several tokens"
+    replies, _, _ = _stream(tokenizer, ids[:-1])
+    assert "".join(r.text for r in replies) == "ok "
+    assert replies[-1].completion_tokens == len(ids) - 1

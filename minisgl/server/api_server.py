@@ -47,6 +47,7 @@ from .args import ServerArgs
 logger = init_logger(__name__, "api")
 
 MAX_N = 128  # choices per request
+DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is still there
 NO_LIMIT = 1 << 30  # max_tokens when the client gives none: the context length decides
 
 
@@ -498,22 +499,26 @@ class Generation:
         self.by_uid = {c.uid: c for c in self.choices}
         self.unfinished = set(self.by_uid)
         self.start = time.perf_counter()
+        self.checked = time.monotonic()
 
     @property
     def done(self) -> bool:
         return not self.unfinished
 
     async def next(self, request: Request | None = None) -> tuple[ChoiceState, UserReply]:
-        """The next reply of any choice. With `request`, checks for a disconnect while waiting."""
+        """The next reply of any choice. With `request`, checks for a disconnect every half second
+        (a non-streaming handler is not cancelled when its client goes away)."""
         while True:
             if request is None:
                 reply = await self.queue.get()
             else:
-                try:
-                    reply = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                if time.monotonic() - self.checked > DISCONNECT_POLL:
+                    self.checked = time.monotonic()
                     if await request.is_disconnected():
-                        raise ClientGone from None
+                        raise ClientGone
+                try:
+                    reply = await asyncio.wait_for(self.queue.get(), timeout=DISCONNECT_POLL)
+                except asyncio.TimeoutError:
                     continue
             choice = self.by_uid[reply.uid]
             self._apply(choice, reply)

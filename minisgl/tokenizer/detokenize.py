@@ -1,7 +1,8 @@
 """Incremental detokenization: one token in, the new text out, as soon as it is safe to show.
 
 Text is held back while it ends in an incomplete UTF-8 character (the decoder yields U+FFFD there) and while
-its end could be the start of a stop string; a stop string is cut off and never shown. Each request decodes
+its end could be the start of a stop string; a stop string is cut off and never shown. A character still
+incomplete when the output ends (max_tokens) is dropped. Each request decodes
 only a small window of its latest tokens, so the cost per token does not grow with the output.
 """
 
@@ -133,9 +134,12 @@ class DetokenizeManager:
         full = self._decode(st.ids[st.prefix_offset :])
         if len(full) <= len(prefix) and not final:
             return  # a special token or a byte fragment: nothing new yet
-        if full.endswith("\ufffd") and not final:
-            return  # an incomplete UTF-8 character: wait for its other bytes
-        st.text += full[len(prefix) :]
+        new = full[len(prefix) :]
+        if new.endswith("\ufffd"):
+            if not final:
+                return  # an incomplete UTF-8 character: wait for its other bytes
+            new = new.rstrip("\ufffd")  # cut off by the end of the output: never completed, never shown
+        st.text += new
         st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
 
     def _find_stop(self, st: _DecodeState) -> int:
