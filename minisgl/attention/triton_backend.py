@@ -16,7 +16,7 @@ Also runs on CPU tensors under TRITON_INTERPRET=1 (the CPU tests), with smaller 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -211,7 +211,7 @@ class TritonExtendMetadata:
 class TritonAttnBackend(BaseAttnBackend):
     """Split-KV paged decode and flash-attention extend in Triton; supports CUDA graphs for decode."""
 
-    def __init__(self, config: AttnConfig, kv_pool: "KVPool", page_table: torch.Tensor) -> None:
+    def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         super().__init__(config, kv_pool, page_table)
         assert config.num_heads % config.num_kv_heads == 0
         self.group = config.num_heads // config.num_kv_heads
@@ -226,9 +226,9 @@ class TritonAttnBackend(BaseAttnBackend):
             self.extend_blocks = (16, 16)
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
-        self._graph_splits: Dict[int, int] = {}
-        self._graph_mid_o: Optional[torch.Tensor] = None
-        self._graph_mid_lse: Optional[torch.Tensor] = None
+        self._graph_splits: dict[int, int] = {}
+        self._graph_mid_o: torch.Tensor | None = None
+        self._graph_mid_lse: torch.Tensor | None = None
 
     # ---- metadata --------------------------------------------------------------------------------
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -239,11 +239,11 @@ class TritonAttnBackend(BaseAttnBackend):
         blocks = triton.cdiv(max_seq_len, self.decode_block_n)
         return max(1, min(wanted, blocks, _MAX_SPLITS))
 
-    def _decode_metadata(self, batch: "Batch", num_splits: int, mid_o: torch.Tensor,
+    def _decode_metadata(self, batch: Batch, num_splits: int, mid_o: torch.Tensor,
                          mid_lse: torch.Tensor) -> TritonDecodeMetadata:
         return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse)
 
-    def prepare_metadata(self, batch: "Batch") -> None:
+    def prepare_metadata(self, batch: Batch) -> None:
         cfg, device = self.config, self.config.device
         if batch.is_decode:
             bs = batch.size
@@ -265,7 +265,7 @@ class TritonAttnBackend(BaseAttnBackend):
 
     # ---- compute ---------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: "Batch") -> torch.Tensor:
+                batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
         triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
@@ -307,7 +307,7 @@ class TritonAttnBackend(BaseAttnBackend):
         return out
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
-    def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
+    def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         """Fix the split count of every captured size (sequence lengths are unknown at capture, so it
         assumes the longest) and allocate one partial-result buffer that the largest of them fits."""
         cfg = self.config
@@ -316,7 +316,7 @@ class TritonAttnBackend(BaseAttnBackend):
         self._graph_mid_o = torch.empty(rows * cfg.head_dim, dtype=torch.float32, device=cfg.device)
         self._graph_mid_lse = torch.empty(rows, dtype=torch.float32, device=cfg.device)
 
-    def prepare_for_capture(self, batch: "Batch") -> None:
+    def prepare_for_capture(self, batch: Batch) -> None:
         """batch's table_idx and seq_lens_t are the graph runner's fixed buffers; the metadata points at
         them and at views of this backend's fixed partial-result buffers."""
         assert self._graph_mid_o is not None, "init_capture_graph first"
@@ -327,7 +327,7 @@ class TritonAttnBackend(BaseAttnBackend):
         mid_lse = self._graph_mid_lse[:n].view(bs, cfg.num_heads, splits)
         batch.attn_metadata = self._decode_metadata(batch, splits, mid_o, mid_lse)
 
-    def prepare_for_replay(self, batch: "Batch") -> None:
+    def prepare_for_replay(self, batch: Batch) -> None:
         """Nothing to refresh: the captured kernels read the page table, the runner's table_idx and
         seq_lens buffers (refreshed by the runner before this call) and compute split bounds on the device."""
         assert batch.padded_size in self._graph_splits, f"batch size {batch.padded_size} was not captured"

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -37,7 +38,7 @@ logger = init_logger(__name__)
 DEFAULT_MAX_BS = 256  # on a GPU when --cuda-graph-max-bs is not given
 
 
-def capture_sizes(max_bs: int) -> List[int]:
+def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 128 and every 16 beyond, up to max_bs (always included): padding
     wastes at most 15 rows of a large batch, where the step time grows slowly with the batch size."""
     sizes = [1, 2, 4, 8] + list(range(16, 129, 8)) + list(range(144, max_bs + 1, 16))
@@ -61,7 +62,7 @@ class GraphRunner:
     # rows of the fixed int32 input buffer, in order
     FIELDS = ("input_ids", "positions", "out_loc", "table_idx", "seq_lens")
 
-    def __init__(self, engine: "Engine", sizes: List[int], backend_hooks: bool) -> None:
+    def __init__(self, engine: Engine, sizes: list[int], backend_hooks: bool) -> None:
         self.engine = engine
         self.sizes = sizes
         self.max_bs = sizes[-1]
@@ -78,13 +79,13 @@ class GraphRunner:
         self._inputs = self._pad.clone()  # the fixed buffers, one row per field
         self.input_ids, self.positions, self.out_loc, self.table_idx, self.seq_lens = self._inputs.unbind(0)
         engine.page_table[self.dummy_row].fill_(self.dummy_slot)
-        self.graphs: Dict[int, object] = {}
-        self.outputs: Dict[int, torch.Tensor] = {}  # bs -> the fixed hidden-state output of its graph
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> the fixed hidden-state output of its graph
         self._pool = torch.cuda.graph_pool_handle() if not self.emulate else None
         self._stream = torch.cuda.Stream(device) if not self.emulate else None
 
     @classmethod
-    def create(cls, engine: "Engine") -> Optional["GraphRunner"]:
+    def create(cls, engine: Engine) -> GraphRunner | None:
         """A runner with every size captured, or None: graphs disabled (cuda_graph_max_bs 0), a CPU
         without an explicit cuda_graph_max_bs > 0, or a CUDA attention backend without graph hooks."""
         cfg = engine.config
@@ -165,7 +166,7 @@ class GraphRunner:
         if not self.backend_hooks:
             # A backend without graph hooks (torch) plans from host lengths: take them from the fixed
             # buffer, never from the batch being replayed.
-            batch.prefix_lens = [n - 1 for n in self.seq_lens[: batch.size].tolist()]
+            batch.prefix_lens = [n - 1 for n in batch.seq_lens_t.tolist()]
             self.engine.attn_backend.prepare_metadata(batch)
         return self._forward(batch)
 

@@ -9,8 +9,6 @@ that come out of the fused QKV projection need no copy.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +36,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = x + r  # rounded to the activation dtype, as the reference's residual + x is
+        # add in float32, round once to the activation dtype: what torch's residual + x does
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
@@ -61,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place when residual is a unit-stride 2-D view); returns (rms_norm(residual),
     residual). One pass over the row instead of three."""
     shape, n = x.shape, x.shape[-1]
@@ -141,7 +140,7 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, strid
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary on q [T, Hq, D] and k [T, Hk, D] (new tensors, like the reference); the cache is
     [max_pos, rot_dim] float32 (cos | sin halves) and rot_dim may be smaller than D."""
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary needs a unit stride on the head dim"

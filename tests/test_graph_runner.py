@@ -1,0 +1,238 @@
+"""The decode graph runner: replay equals the eager forward, batches are padded to a captured size, every
+input is copied before each replay, and padding rows write nothing but the dummy KV slot.
+
+On a CPU the graphs are emulated (their replay reads only the fixed input buffers, like a CUDA graph), with
+the torch backend (metadata recomputed from the buffers at replay) and with the Triton backend (its own
+graph hooks) under TRITON_INTERPRET=1. On a CUDA host the same tests capture real CUDA graphs (Triton)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before Triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minisgl.attention import BaseAttnBackend
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine import Engine, EngineConfig, SamplingInfo
+from minisgl.engine.graph import GraphRunner, capture_sizes
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+PAGE = 4
+MAX_SEQ = 64
+NUM_PAGES = 48
+VOCAB = 101
+MAX_BS = 4  # captured sizes 1, 2, 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("graph_model")
+    LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_SEQ,
+                architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+def _attn_backends():
+    backends = ["torch"] if DEVICE.type == "cpu" else []  # torch attention cannot be captured on a GPU
+    try:
+        import minisgl.attention.triton_backend  # noqa: F401
+
+        backends.append("triton")
+    except ImportError:
+        pass
+    return backends
+
+
+@pytest.fixture(scope="module", params=_attn_backends())
+def engine(request, model_dir):
+    """An engine with graphs captured for 1, 2 and 4 requests (one engine per process)."""
+    config = EngineConfig(model_path=model_dir, dtype=torch.float32, device=DEVICE.type, attn=request.param,
+                          load_format="dummy", page_size=PAGE, num_pages=NUM_PAGES, max_running_req=8,
+                          max_seq_len=MAX_SEQ, cuda_graph_max_bs=MAX_BS, show_progress=False)
+    eng = Engine(config)
+    # weights far larger than the dummy init, so every input visibly changes the hidden states
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in eng.model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g).to(DEVICE) * 0.3)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture
+def runner(engine) -> GraphRunner:
+    """The engine's runner, with a freshly randomised KV pool (the prefixes the requests attend to)."""
+    g = torch.Generator().manual_seed(1)
+    engine.kv_pool.k_buffer.copy_(torch.randn(engine.kv_pool.k_buffer.shape, generator=g).to(DEVICE))
+    engine.kv_pool.v_buffer.copy_(torch.randn(engine.kv_pool.v_buffer.shape, generator=g).to(DEVICE))
+    assert engine.graph_runner is not None
+    return engine.graph_runner
+
+
+def decode_batch(engine: Engine, rows, seq_lens, first_page: int, seed: int) -> Batch:
+    """A decode step of requests in page-table `rows` with `seq_lens` keys (the new token included); each
+    request owns consecutive pages from `first_page` on. Fills the page table like the scheduler does."""
+    g = torch.Generator().manual_seed(seed)
+    out_loc, page = [], first_page
+    for row, n in zip(rows, seq_lens):
+        num = -(-n // PAGE)
+        slots = torch.arange(page * PAGE, (page + num) * PAGE, dtype=torch.int32)[:n]
+        page += num
+        engine.page_table[row, :n] = slots.to(DEVICE)
+        out_loc.append(int(slots[-1]))
+    assert page <= NUM_PAGES, "the test must not use the dummy page"
+    reqs = [Req(i, [0], SamplingParams()) for i in range(len(rows))]
+    batch = Batch(reqs, "decode", [n - 1 for n in seq_lens], [1] * len(rows), [True] * len(rows))
+    batch.input_ids = torch.randint(0, VOCAB, (len(rows),), generator=g, dtype=torch.int32).to(DEVICE)
+    batch.positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device=DEVICE)
+    batch.out_loc = torch.tensor(out_loc, dtype=torch.int32, device=DEVICE)
+    batch.table_idx = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    batch.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return batch
+
+
+@torch.inference_mode()
+def eager(engine: Engine, batch: Batch) -> torch.Tensor:
+    """The un-captured forward, as Engine.forward_batch runs it without graphs."""
+    engine.attn_backend.prepare_metadata(batch)
+    with engine.ctx.forward_batch(batch):
+        return engine.model().clone()
+
+
+@torch.inference_mode()
+def replay(runner: GraphRunner, batch: Batch) -> torch.Tensor:
+    return runner.replay(batch).clone()
+
+
+# Batches A and B differ in every input: rows, lengths, KV slots, tokens (hence positions too).
+def batch_a(engine: Engine) -> Batch:
+    return decode_batch(engine, rows=[0, 1, 2, 3], seq_lens=[5, 9, 17, 30], first_page=0, seed=10)
+
+
+def batch_b(engine: Engine) -> Batch:
+    return decode_batch(engine, rows=[4, 5, 6, 7], seq_lens=[7, 12, 3, 21], first_page=20, seed=11)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_capture_sizes_cover_every_batch_size_up_to_the_max():
+    sizes = capture_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and sizes == sorted(set(sizes))
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(130)[-3:] == [120, 128, 130]
+
+
+def test_graphs_are_off_when_disabled_on_a_cpu_by_default_and_for_backends_without_hooks():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=None), device=cpu)) is None
+    assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=0), device=cpu)) is None
+    assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=0), device=cuda)) is None
+    no_hooks = SimpleNamespace(init_capture_graph=BaseAttnBackend.init_capture_graph.__get__(object()))
+    engine = SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=8), device=cuda, attn_backend=no_hooks)
+    assert GraphRunner.create(engine) is None  # e.g. the torch backend on a GPU
+
+
+def test_replay_equals_eager_and_pads_to_the_captured_size(engine, runner):
+    assert runner.sizes == [1, 2, 4]
+    for n, padded in [(1, 1), (3, 4)]:
+        batch = decode_batch(engine, rows=list(range(n)), seq_lens=[6, 19, 33][:n], first_page=0, seed=n)
+        want = eager(engine, batch)
+        assert runner.can_run(batch)
+        got = replay(runner, batch)
+        assert batch.padded_size == padded and got.shape[0] == padded
+        _close(got[:n], want)
+
+
+def kv_state(engine: Engine) -> torch.Tensor:
+    return torch.stack([engine.kv_pool.k_buffer, engine.kv_pool.v_buffer]).clone()
+
+
+def set_kv_state(engine: Engine, state: torch.Tensor) -> None:
+    engine.kv_pool.k_buffer.copy_(state[0])
+    engine.kv_pool.v_buffer.copy_(state[1])
+
+
+def eager_from(engine: Engine, batch: Batch, state: torch.Tensor):
+    """Eager hidden states and KV pool after running `batch` from KV `state`; the pool is left at `state`."""
+    set_kv_state(engine, state)
+    hidden = eager(engine, batch)
+    after = kv_state(engine)
+    set_kv_state(engine, state)
+    return hidden, after
+
+
+def test_replay_reads_the_new_inputs_of_every_step(engine, runner):
+    a, b = batch_a(engine), batch_b(engine)
+    start = kv_state(engine)
+    want_a, _ = eager_from(engine, a, start)
+    want_b, kv_b = eager_from(engine, b, start)
+    assert (want_a - want_b).abs().max() > 0.1
+    _close(replay(runner, a), want_a)
+    set_kv_state(engine, start)
+    _close(replay(runner, b), want_b)
+    _close(kv_state(engine), kv_b)
+
+
+@pytest.mark.parametrize("field", GraphRunner.FIELDS)
+def test_an_input_not_copied_into_its_buffer_gives_a_wrong_result(engine, runner, field, monkeypatch):
+    """Buffer discipline: the replay sees only the fixed buffers, so an input whose copy is skipped
+    (here: redirected to a scratch tensor) keeps the previous step's value, and either the hidden states
+    or the KV written (a skipped out_loc writes the previous step's slots) come out wrong."""
+    a, b = batch_a(engine), batch_b(engine)
+    replay(runner, a)
+    start = kv_state(engine)
+    want_b, want_kv = eager_from(engine, b, start)
+    monkeypatch.setattr(runner, field, torch.empty_like(getattr(runner, field)))
+    got_b = replay(runner, b)
+    hidden_error = (got_b[:4] - want_b).abs().max()
+    kv_error = (kv_state(engine) - want_kv).abs().max()
+    assert max(hidden_error, kv_error) > 1e-3, f"skipping the {field} copy went unnoticed"
+
+
+def test_padding_rows_write_only_the_dummy_slot(engine, runner):
+    """After a batch of 4, a batch of 3 is padded to 4: the 4th row must not replay the old request
+    (whose KV slot may belong to someone else by now) but write the dummy slot."""
+    a = batch_a(engine)
+    replay(runner, a)
+    stale_slot = int(a.out_loc[3])
+    engine.kv_pool.k_buffer[:, stale_slot] = 0  # the slot was freed and reused meanwhile
+    before_k, before_v = engine.kv_pool.k_buffer.clone(), engine.kv_pool.v_buffer.clone()
+    c = decode_batch(engine, rows=[5, 6, 7], seq_lens=[4, 11, 26], first_page=30, seed=12)
+    got = replay(runner, c)
+    assert c.padded_size == 4
+    changed = ((engine.kv_pool.k_buffer != before_k) | (engine.kv_pool.v_buffer != before_v)).flatten(2).any(-1)
+    written = set(changed.any(0).nonzero().flatten().tolist())
+    assert written <= set(c.out_loc.tolist()) | {runner.dummy_slot}
+    assert runner.dummy_slot == NUM_PAGES * PAGE  # the page beyond num_pages, which the scheduler never owns
+    _close(got[:3], eager(engine, c))
+
+
+def test_engine_forward_batch_replays_decode_and_samples_like_eager(engine, runner, monkeypatch):
+    calls = []
+    real_replay = runner.replay
+    monkeypatch.setattr(runner, "replay", lambda batch: calls.append(batch.size) or real_replay(batch))
+    batch = decode_batch(engine, rows=[1, 2, 3], seq_lens=[8, 15, 2], first_page=0, seed=13)
+    batch.sample_table_idx, batch.sample_pos = batch.table_idx, batch.positions + 1
+    batch.sampling_info = SamplingInfo(all_greedy=True)
+    with torch.inference_mode():
+        want = engine.model.compute_logits(eager(engine, batch)).argmax(-1).to(torch.int32)
+    out = engine.forward_batch(batch)
+    assert calls == [3]
+    assert torch.equal(out.next_tokens, want)
+    prefill = Batch(batch.reqs, "prefill", [0] * 3, [1] * 3, [True] * 3)
+    assert not runner.can_run(prefill)

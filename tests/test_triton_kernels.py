@@ -1,0 +1,219 @@
+"""The Triton kernels and the Triton attention backend equal the torch references.
+
+Without CUDA they run on CPU tensors under TRITON_INTERPRET=1 (small tiles, so short sequences still cross
+several tiles and splits); on a CUDA host the same tests run the compiled kernels on the GPU."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before Triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from minisgl.attention.base import AttnConfig
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention.triton_backend import TritonAttnBackend
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kernel import reference as ref
+from minisgl.kernel import triton_ops
+from minisgl.kvcache.pool import KVPool
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+# ---- elementwise kernels ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 40), (5, 3, 24), (1, 64)])
+def test_rms_norm_matches_reference(shape, dtype):
+    x, w = _randn(*shape, dtype=dtype), _randn(shape[-1], dtype=dtype, seed=1)
+    _close(triton_ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+
+
+def test_rms_norm_reads_strided_rows():
+    """q sliced out of a fused QKV output: row stride larger than the row."""
+    qkv = _randn(6, 100)
+    q = qkv[:, :40]
+    w = _randn(40, seed=1)
+    _close(triton_ops.rms_norm(q, w, 1e-5), ref.rms_norm(q, w, 1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_reference(dtype):
+    x, res, w = _randn(9, 72, dtype=dtype), _randn(9, 72, dtype=dtype, seed=1), _randn(72, dtype=dtype, seed=2)
+    want_out, want_res = ref.fused_add_rms_norm(x, res.clone(), w, 1e-6)
+    out, new_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-6)
+    _close(out, want_out, dtype)
+    _close(new_res, want_res, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(6, 37), (3, 1500)])
+def test_silu_and_mul_matches_reference(rows, width, dtype):
+    x = _randn(rows, 2 * width, dtype=dtype)
+    _close(triton_ops.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("rot_dim", [24, 16])  # 16 < head_dim: partial rotary leaves the tail unchanged
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
+    T, Hq, Hk, D = 6, 4, 2, 24
+    qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
+    q = qkv[:, : Hq * D].view(T, Hq, D)  # strided views, as the attention layer passes them
+    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    cache = _randn(100, rot_dim, seed=3)
+    positions = torch.tensor([0, 5, 99, 17, 17, 42], dtype=torch.int32, device=DEVICE)
+    q_out, k_out = triton_ops.apply_rotary(q, k, positions, cache)
+    q_ref, k_ref = ref.apply_rotary(q, k, positions, cache)
+    _close(q_out, q_ref, dtype)
+    _close(k_out, k_ref, dtype)
+
+
+def test_store_kv_writes_the_given_slots_only():
+    T, H, D = 5, 2, 24
+    kv = _randn(T, 2 * H * D)
+    k, v = kv[:, : H * D].view(T, H, D), kv[:, H * D:].view(T, H, D)
+    loc = torch.tensor([31, 0, 7, 12, 40], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache = _randn(48, H, D, seed=1), _randn(48, H, D, seed=2)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    ref.store_kv(k_want, v_want, loc, k, v)
+    triton_ops.store_kv(k_cache, v_cache, loc, k, v)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+HEAD_DIM = 24  # not a power of two: every tile masks its tail
+MAX_SEQ = 128
+
+
+class PagedSetup:
+    """A KV pool with random contents and a page table whose requests own shuffled pages."""
+
+    def __init__(self, page_size: int, num_heads: int, num_kv_heads: int, seq_lens, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
+        self.config = AttnConfig(num_heads, num_kv_heads, HEAD_DIM, MAX_SEQ, DEVICE, torch.float32)
+        self.pool = KVPool(1, num_pages, page_size, num_kv_heads, HEAD_DIM, torch.float32, DEVICE)
+        self.pool.k_buffer.copy_(torch.randn(self.pool.k_buffer.shape, generator=g))
+        self.pool.v_buffer.copy_(torch.randn(self.pool.v_buffer.shape, generator=g))
+        rows = len(seq_lens) + 2
+        self.page_table = torch.zeros(rows, MAX_SEQ, dtype=torch.int32, device=DEVICE)
+        pages = torch.randperm(num_pages, generator=g).tolist()
+        self.rows = list(range(rows - 1, rows - 1 - len(seq_lens), -1))  # rows out of request order
+        for row, n in zip(self.rows, seq_lens):
+            own = [pages.pop() for _ in range(-(-n // page_size))]
+            slots = [p * page_size + i for p in own for i in range(page_size)][:n]
+            self.page_table[row, :n] = torch.tensor(slots, dtype=torch.int32)
+
+    def batch(self, phase: str, prefix_lens, extend_lens) -> Batch:
+        reqs = [Req(i, [0], SamplingParams()) for i in range(len(prefix_lens))]
+        batch = Batch(reqs, phase, list(prefix_lens), list(extend_lens), [True] * len(reqs))
+        batch.table_idx = torch.tensor(self.rows, dtype=torch.int32, device=DEVICE)
+        batch.seq_lens_t = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
+        batch.out_loc = torch.cat([self.page_table[r, p:p + e] for r, p, e in zip(self.rows, prefix_lens, extend_lens)])
+        batch.positions = torch.cat([torch.arange(p, p + e, device=DEVICE) for p, e in zip(prefix_lens, extend_lens)])
+        return batch
+
+
+def naive_attention(q, k_cache, v_cache, page_table, rows, prefix_lens, extend_lens, scale):
+    """Per request and head: softmax(q K^T) V over keys 0..prefix + i, read through the page table."""
+    out, start = torch.empty_like(q), 0
+    group = q.shape[1] // k_cache.shape[1]
+    for row, prefix, extend in zip(rows, prefix_lens, extend_lens):
+        slots = page_table[row, : prefix + extend].long()
+        keys, values = k_cache[slots], v_cache[slots]  # [S, Hkv, D]
+        for i in range(extend):
+            visible = prefix + i + 1
+            for h in range(q.shape[1]):
+                scores = (keys[:visible, h // group] @ q[start + i, h]) * scale
+                out[start + i, h] = torch.softmax(scores, 0) @ values[:visible, h // group]
+        start += extend
+    return out
+
+
+HEADS = [(2, 2), (4, 2), (4, 1)]  # GQA ratios 1, 2 and 4
+
+
+def _run_both(setup: PagedSetup, batch: Batch, seed: int = 5, num_sms: int = 0):
+    """Run the Triton backend on random q/k/v; check the pool writes and the output against the naive
+    reference and the torch backend. Returns the Triton backend and its metadata."""
+    T = batch.num_tokens
+    cfg = setup.config
+    q = _randn(T, cfg.num_heads, HEAD_DIM, seed=seed)
+    k = _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=seed + 1)
+    v = _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=seed + 2)
+    triton_backend = TritonAttnBackend(cfg, setup.pool, setup.page_table)
+    if num_sms:
+        triton_backend.num_sms = num_sms
+    triton_backend.prepare_metadata(batch)
+    meta = batch.attn_metadata
+    out = triton_backend.forward(q, k, v, 0, batch)
+    # the new K/V are in the pool now; the references read them from there
+    assert torch.equal(setup.pool.k(0)[batch.out_loc.long()], k)
+    assert torch.equal(setup.pool.v(0)[batch.out_loc.long()], v)
+    want = naive_attention(q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows, batch.prefix_lens,
+                           batch.extend_lens, HEAD_DIM ** -0.5)
+    torch_backend = TorchAttnBackend(cfg, setup.pool, setup.page_table)
+    torch_backend.prepare_metadata(batch)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out, torch_backend.forward(q, k, v, 0, batch), atol=2e-5, rtol=1e-5)
+    return triton_backend, meta
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+def test_extend_matches_reference_over_cached_prefixes(page_size, heads):
+    """One launch over a mixed batch: a fresh prompt, a single new token on a prefix, and a chunk on a
+    prefix that is not tile-aligned (tiles 16x16 on a CPU, so every path of the kernel runs)."""
+    prefix_lens, extend_lens = [0, 13, 37], [20, 1, 17]
+    setup = PagedSetup(page_size, *heads, [p + e for p, e in zip(prefix_lens, extend_lens)])
+    _run_both(setup, setup.batch("prefill", prefix_lens, extend_lens))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+def test_decode_matches_reference(page_size, heads):
+    seq_lens = [1, 23, 50]
+    setup = PagedSetup(page_size, *heads, seq_lens)
+    _run_both(setup, setup.batch("decode", [n - 1 for n in seq_lens], [1] * len(seq_lens)))
+
+
+@pytest.mark.parametrize("num_sms", [1, 1000])
+def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sms):
+    """num_sms sets the split count: 1 split, or as many as there are key blocks (so short requests
+    leave most of their splits empty and the merge must ignore them)."""
+    seq_lens = [2, 95, 17]
+    setup = PagedSetup(4, 4, 2, seq_lens)
+    batch = setup.batch("decode", [n - 1 for n in seq_lens], [1] * 3)
+    backend, meta = _run_both(setup, batch, num_sms=num_sms)
+    want = 1 if num_sms == 1 else -(-max(seq_lens) // backend.decode_block_n)
+    assert meta.num_splits == want
+
+
+def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
+    """Captured metadata fixes the split count for max_seq_len; shorter requests still attend exactly."""
+    seq_lens = [3, 40]
+    setup = PagedSetup(1, 4, 2, seq_lens)
+    batch = setup.batch("decode", [n - 1 for n in seq_lens], [1, 1])
+    backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
+    backend.init_capture_graph(4, [1, 2, 4])
+    backend.prepare_for_capture(batch)
+    assert batch.attn_metadata.num_splits == backend.num_splits(2, MAX_SEQ)
+    q = _randn(2, 4, HEAD_DIM, seed=7)
+    k, v = _randn(2, 2, HEAD_DIM, seed=8), _randn(2, 2, HEAD_DIM, seed=9)
+    out = backend.forward(q, k, v, 0, batch)
+    want = naive_attention(q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows, batch.prefix_lens,
+                           batch.extend_lens, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
