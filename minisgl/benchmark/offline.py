@@ -1,0 +1,250 @@
+"""Offline throughput and latency of minisgl on the benchmark workloads.
+
+    python -m minisgl.benchmark.offline --workload w3                  # CPU, default model, float32
+    python -m minisgl.benchmark.offline --workload w3 --overlap on,off # overlap scheduling on vs off
+    python -m minisgl.benchmark.offline --workload shared-prefix --cache radix,naive
+    python -m minisgl.benchmark.offline --workload w1 --model qwen3-0.6b --load-format dummy   # GPU
+    python -m minisgl.benchmark.offline --workload w2 --model qwen3-0.6b --load-format dummy   # GPU
+
+Workloads (random token ids from one seeded generator; every request ignores EOS and produces exactly its
+output length; throughput = output tokens / wall time of the generate call, after a warm-up):
+  w1  256 requests, prompts and outputs of 100..1024 tokens (GPU offline throughput)
+  w2  1 request, 128 prompt tokens, 256 output tokens (GPU single-request latency)
+  w3  32 requests, prompts and outputs of 32..256 tokens (CPU offline throughput)
+  shared-prefix  64 requests = one common 512-token system prompt + 16..64 own tokens, 32 output tokens each
+Comma-separated values of --cache and --overlap run each configuration in turn (a fresh engine each)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    outputs: list[int]  # output length of each request (its max_tokens)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.outputs)
+
+
+def make_workload(n: int, lo: int, hi: int, seed: int = 0, name: str = "") -> Workload:
+    """The benchmark generator: Python's random, seeded; prompts drawn first, then output lengths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    outputs = [rng.randint(lo, hi) for _ in range(n)]
+    return Workload(name or f"N={n}, {lo}..{hi}", prompts, outputs)
+
+
+def shared_prefix_workload(n: int = 64, prefix_len: int = 512, seed: int = 0) -> Workload:
+    """n requests sharing one system prompt of prefix_len tokens, each with 16..64 tokens of its own."""
+    rng = random.Random(seed)
+    system = [rng.randint(0, 10000) for _ in range(prefix_len)]
+    prompts = [system + [rng.randint(0, 10000) for _ in range(rng.randint(16, 64))] for _ in range(n)]
+    return Workload(f"shared-prefix ({n} x {prefix_len}-token system prompt)", prompts, [32] * n)
+
+
+def get_workload(name: str, num_requests: int | None = None) -> Workload:
+    if name == "w1":
+        w = make_workload(256, 100, 1024, name="W1")
+    elif name == "w2":
+        rng = random.Random(0)
+        w = Workload("W2", [[rng.randint(0, 10000) for _ in range(128)]], [256])
+    elif name == "w3":
+        w = make_workload(32, 32, 256, name="W3")
+    elif name == "shared-prefix":
+        w = shared_prefix_workload()
+    else:
+        raise ValueError(f"unknown workload {name!r} (w1, w2, w3, shared-prefix)")
+    if num_requests is not None:
+        w = Workload(f"{w.name}[:{num_requests}]", w.prompts[:num_requests], w.outputs[:num_requests])
+    return w
+
+
+def warmup_workload(vocab_limit: int = 10000) -> Workload:
+    """A few short requests with prompts unrelated to any workload (so they seed no prefix cache hits)."""
+    rng = random.Random(12345)
+    prompts = [[rng.randint(0, vocab_limit) for _ in range(rng.randint(16, 48))] for _ in range(4)]
+    return Workload("warm-up", prompts, [8, 16, 4, 12])
+
+
+def resolve_model(model: str | None) -> str | None:
+    """`qwen3-0.6b` / `qwen3-8b` name the shape-only configs shipped here (use with --load-format dummy)."""
+    if model and not os.path.exists(model) and os.path.isdir(os.path.join(CONFIGS_DIR, model)):
+        return os.path.join(CONFIGS_DIR, model)
+    return model
+
+
+def parse_dtype(name: str | None):
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name in (None, "", "auto"):
+        return None
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r} (float32, bfloat16, float16, auto)")
+    return dtypes[name]
+
+
+def run_once(args: argparse.Namespace, workload: Workload, cache: str, overlap: bool) -> dict[str, Any]:
+    """Build an engine, warm it up, time `repeat` generate calls of the workload; returns the figures."""
+    import torch
+
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    kwargs: dict[str, Any] = {
+        "dtype": parse_dtype(args.dtype),
+        "load_format": args.load_format,
+        "attn": args.attn,
+        "cache_type": cache,
+        "overlap": overlap,
+        "page_size": args.page_size,
+        "max_running_req": args.max_running_req,
+        "max_prefill_length": args.max_prefill_length,
+        "show_progress": False,
+    }
+    if args.cuda_graph_max_bs is not None:
+        kwargs["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    if args.num_pages is not None:
+        kwargs["num_page_override"] = args.num_pages
+    if args.max_seq_len is not None:
+        kwargs["max_seq_len_override"] = args.max_seq_len
+    if args.device is not None:
+        kwargs["device"] = args.device
+    t0 = time.perf_counter()
+    llm = LLM(resolve_model(args.model), **kwargs)
+    load_s = time.perf_counter() - t0
+    engine = llm.scheduler.engine
+    vocab = engine.model_config.vocab_size
+    for p in workload.prompts:
+        if max(p) >= vocab:
+            raise ValueError(f"workload token ids reach {max(p)} but the model's vocabulary has {vocab}")
+    try:
+        warm = warmup_workload(min(vocab - 1, 10000))
+        llm.generate(warm.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in warm.outputs])
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.outputs]
+        times, computed = [], []
+        for _ in range(args.repeat):
+            # every timed run starts from an empty prefix cache, as a fresh engine would
+            cm = llm.scheduler.cache
+            cm.free(cm.cache.evict(llm.scheduler.num_total_pages))
+            before = llm.stats()
+            sync(engine.device)
+            t0 = time.perf_counter()
+            outs = llm.generate(workload.prompts, params)
+            sync(engine.device)
+            times.append(time.perf_counter() - t0)
+            after = llm.stats()
+            computed.append(after["computed_prompt_tokens"] - before["computed_prompt_tokens"])
+            got = sum(len(o["token_ids"]) for o in outs)
+            if got != workload.output_tokens:
+                raise RuntimeError(f"generated {got} tokens, expected {workload.output_tokens}")
+        stats = llm.stats()
+        return {
+            "seconds": statistics.median(times),
+            "all_seconds": times,
+            "computed_prompt_tokens": int(statistics.median(computed)),
+            "load_seconds": load_s,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).replace("torch.", ""),
+            "attn": type(engine.attn_backend).__name__,
+            "arch": engine.model_config.architecture,
+            "threads": torch.get_num_threads() if engine.device.type == "cpu" else None,
+            "max_batch_size": stats.get("max_batch_size"),
+            "retractions": stats.get("num_retractions"),
+        }
+    finally:
+        llm.shutdown()
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="w3", choices=["w1", "w2", "w3", "shared-prefix"])
+    ap.add_argument(
+        "--model", default=None, help="HF dir, .gguf, hub id, or qwen3-0.6b / qwen3-8b (shapes only)"
+    )
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (fp32 on CPU)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--attn", default="auto", help="torch, triton, auto, or prefill,decode")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
+    ap.add_argument("--overlap", default="on", help="on, off, or on,off to compare")
+    ap.add_argument("--cache", default="radix", help="radix, naive, or radix,naive to compare")
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--max-running-req", type=int, default=256)
+    ap.add_argument("--max-prefill-length", type=int, default=8192)
+    ap.add_argument("--num-pages", type=int, default=None)
+    ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument(
+        "--num-requests", type=int, default=None, help="only the first N requests of the workload"
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs; the median is reported")
+    args = ap.parse_args(argv)
+
+    workload = get_workload(args.workload, args.num_requests)
+    overlaps = [{"on": True, "off": False}[v.strip()] for v in args.overlap.split(",")]
+    caches = [c.strip() for c in args.cache.split(",")]
+    print(
+        f"# {workload.name}: {len(workload.prompts)} requests, {workload.input_tokens} prompt tokens, "
+        f"{workload.output_tokens} output tokens"
+    )
+    for cache in caches:
+        for overlap in overlaps:
+            r = run_once(args, workload, cache, overlap)
+            tok_s = workload.output_tokens / r["seconds"]
+            where = (
+                f"model={r['arch']} {r['dtype']} on {r['device']}"
+                + (f" ({r['threads']} threads)" if r["threads"] else "")
+                + f", attn={r['attn']}, cache={cache}, overlap={'on' if overlap else 'off'}"
+            )
+            runs = (
+                ""
+                if len(r["all_seconds"]) == 1
+                else f" (median of {len(r['all_seconds'])}: "
+                + ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+                + ")"
+            )
+            if args.workload == "w2":
+                ms = 1000 * r["seconds"] / workload.output_tokens
+                print(
+                    f"{workload.name} minisgl: {ms:.2f} ms per output token, {tok_s:.1f} tok/s, "
+                    f"{r['seconds']:.2f} s{runs} | {where}"
+                )
+            elif args.workload == "shared-prefix":
+                print(
+                    f"{workload.name} minisgl: prefill tokens computed {r['computed_prompt_tokens']} of "
+                    f"{workload.input_tokens}, end-to-end {r['seconds']:.2f} s{runs}, {tok_s:.1f} tok/s | {where}"
+                )
+            else:
+                print(
+                    f"{workload.name} minisgl: {tok_s:.1f} tok/s ({workload.output_tokens} output tokens in "
+                    f"{r['seconds']:.2f} s{runs}; max batch {r['max_batch_size']}, "
+                    f"retractions {r['retractions']}) | {where}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
