@@ -217,3 +217,21 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     want = naive_attention(q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows, batch.prefix_lens,
                            batch.extend_lens, HEAD_DIM ** -0.5)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+# ---- the whole model -----------------------------------------------------------------------------------
+def test_llm_with_triton_attention_and_decode_graphs_equals_hf(tiny_model_dirs, hf_reference):
+    """Qwen3 tiny (GQA 2, head_dim 40) through the scheduler: chunked prefill over cached prefixes
+    (a shared prompt prefix, page size 4) and decode replayed through the graphs of 1, 2 and 4 requests
+    (emulated on a CPU) give Hugging Face's greedy tokens."""
+    from conftest import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+
+    vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 1), (5, 2), (40, 3)]]
+    prompts.append(prompts[2][:30] + [7, 8])
+    kwargs = tiny_llm_kwargs(attn="triton", page_size=4, cuda_graph_max_bs=4, max_prefill_length=16)
+    with make_llm(tiny_model_dirs["qwen3"], **kwargs) as llm:
+        assert llm.scheduler.engine.graph_runner is not None
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "triton attention + graphs")

@@ -1,0 +1,235 @@
+"""GPU only (`pytest -m gpu tests/test_gpu_kernels.py` on the GPU host): the Triton kernels and attention
+backend at real model shapes in bfloat16 against the torch references, and CUDA-graph decode of a
+real-size model (Qwen3-0.6B shapes, dummy weights) against its eager forward.
+
+The small-shape float32 versions of these checks are tests/test_triton_kernels.py and
+tests/test_graph_runner.py, which run on the GPU as well when CUDA is present."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BF16_TOL = {"atol": 2e-2, "rtol": 1.6e-2}
+QWEN3_06B = os.path.join(os.path.dirname(__file__), "..", "minisgl", "benchmark", "configs", "qwen3-0.6b")
+
+
+def _randn(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+# ---- elementwise kernels ---------------------------------------------------------------------------------
+def test_norms_and_silu_match_reference_at_model_shapes():
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+
+    torch.manual_seed(0)
+    x, res, w = _randn(4096, 4096), _randn(4096, 4096), _randn(4096)
+    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-6).float(), ref.rms_norm(x, w, 1e-6).float(), **BF16_TOL)
+    want, want_res = ref.fused_add_rms_norm(x, res.clone(), w, 1e-6)
+    got, got_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+    torch.testing.assert_close(got_res.float(), want_res.float(), **BF16_TOL)
+    q = _randn(4096, 16, 128)  # Qwen3's per-head q norm
+    torch.testing.assert_close(triton_ops.rms_norm(q, w[:128], 1e-6).float(), ref.rms_norm(q, w[:128], 1e-6).float(),
+                               **BF16_TOL)
+    gate_up = _randn(4096, 2 * 14336)
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up).float(), ref.silu_and_mul(gate_up).float(),
+                               **BF16_TOL)
+
+
+@pytest.mark.parametrize("rot_dim", [128, 64])
+def test_rotary_matches_reference_at_model_shapes(rot_dim):
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+    from minisgl.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    T, Hq, Hk, D = 4096, 32, 8, 128
+    cache = RotaryEmbedding(D, 32768, 500000.0, partial_factor=rot_dim / D).cos_sin_cache.cuda()
+    qkv = _randn(T, (Hq + 2 * Hk) * D)
+    q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    positions = torch.randint(0, 32768, (T,), device="cuda", dtype=torch.int32)
+    for got, want in zip(triton_ops.apply_rotary(q, k, positions, cache), ref.apply_rotary(q, k, positions, cache)):
+        torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
+
+
+def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+
+    torch.manual_seed(0)
+    T, H, D, slots = 8192, 8, 128, 2_200_000  # slot * row size exceeds int32: the kernel indexes in int64
+    k_cache = torch.zeros(slots, H, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    kv = _randn(T, 2 * H * D)
+    k, v = kv[:, : H * D].view(T, H, D), kv[:, H * D:].view(T, H, D)
+    loc = torch.randperm(slots, device="cuda")[:T].to(torch.int32)
+    loc[0] = slots - 1
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    ref.store_kv(k_want, v_want, loc, k, v)
+    triton_ops.store_kv(k_cache, v_cache, loc, k, v)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+HEADS = [(32, 8, 128), (16, 8, 128), (14, 2, 64), (64, 8, 128)]  # Llama-8B, Qwen3-0.6B, Qwen2-0.5B, 70B/TP1
+
+
+def _paged(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_lens, max_seq: int):
+    """A bf16 pool with random contents and a page table whose requests own shuffled pages."""
+    from minisgl.attention.base import AttnConfig
+    from minisgl.kvcache.pool import KVPool
+
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 8
+    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, torch.device("cuda"))
+    pool.k_buffer.normal_()
+    pool.v_buffer.normal_()
+    table = torch.zeros(len(seq_lens), max_seq, dtype=torch.int32, device="cuda")
+    pages = torch.randperm(num_pages, device="cuda").to(torch.int32)
+    used = 0
+    for row, n in enumerate(seq_lens):
+        num = -(-n // page_size)
+        own = pages[used: used + num]
+        used += num
+        table[row, :n] = (own[:, None] * page_size + torch.arange(page_size, device="cuda")).flatten()[:n]
+    config = AttnConfig(num_heads, num_kv_heads, head_dim, max_seq, torch.device("cuda"), torch.bfloat16)
+    return config, pool, table
+
+
+def _batch(phase, table, prefix_lens, extend_lens):
+    from minisgl.core import Batch, Req, SamplingParams
+
+    reqs = [Req(i, [0], SamplingParams()) for i in range(len(prefix_lens))]
+    batch = Batch(reqs, phase, list(prefix_lens), list(extend_lens), [True] * len(reqs))
+    batch.table_idx = torch.arange(len(reqs), dtype=torch.int32, device="cuda")
+    batch.seq_lens_t = torch.tensor(batch.seq_lens, dtype=torch.int32, device="cuda")
+    batch.out_loc = torch.cat([table[r, p:p + e] for r, (p, e) in enumerate(zip(prefix_lens, extend_lens))])
+    return batch
+
+
+def _compare_backends(config, pool, table, batch):
+    from minisgl.attention.torch_backend import TorchAttnBackend
+    from minisgl.attention.triton_backend import TritonAttnBackend
+
+    T = batch.num_tokens
+    q = _randn(T, config.num_heads, config.head_dim)
+    k, v = _randn(T, config.num_kv_heads, config.head_dim), _randn(T, config.num_kv_heads, config.head_dim)
+    triton_backend = TritonAttnBackend(config, pool, table)
+    triton_backend.prepare_metadata(batch)
+    got = triton_backend.forward(q, k, v, 0, batch)
+    torch_backend = TorchAttnBackend(config, pool, table)
+    torch_backend.prepare_metadata(batch)
+    want = torch_backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("batch_size", [1, 33, 256])
+def test_decode_matches_torch_backend_at_model_shapes(page_size, heads, batch_size):
+    torch.manual_seed(batch_size)
+    max_len = 4096 if batch_size <= 33 else 1024
+    seq_lens = torch.randint(1, max_len + 1, (batch_size,)).tolist()
+    seq_lens[0] = max_len
+    if batch_size > 1:
+        seq_lens[1] = 1
+    config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len)
+    _compare_backends(config, pool, table, _batch("decode", table, [n - 1 for n in seq_lens], [1] * batch_size))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+def test_extend_matches_torch_backend_at_model_shapes(page_size, heads):
+    torch.manual_seed(0)
+    prefix_lens, extend_lens = [0, 1000, 3000, 17, 0], [2048, 500, 1, 1300, 7]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=4096)
+    _compare_backends(config, pool, table, _batch("prefill", table, prefix_lens, extend_lens))
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_engine():
+    from minisgl.engine import Engine, EngineConfig
+
+    config = EngineConfig(model_path=QWEN3_06B, dtype=torch.bfloat16, device="cuda", attn="triton",
+                          load_format="dummy", page_size=16, num_pages=4096, max_running_req=64, max_seq_len=4096,
+                          cuda_graph_max_bs=64, show_progress=False)
+    engine = Engine(config)
+    engine.kv_pool.k_buffer.normal_()
+    engine.kv_pool.v_buffer.normal_()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def _decode_batch(engine, seq_lens):
+    from minisgl.core import Batch, Req, SamplingParams
+
+    ps, page, out_loc = engine.config.page_size, 0, []
+    for row, n in enumerate(seq_lens):
+        num = -(-n // ps)
+        engine.page_table[row, :n] = torch.arange(page * ps, (page + num) * ps, dtype=torch.int32, device="cuda")[:n]
+        out_loc.append(page * ps + n - 1)
+        page += num
+    assert page <= engine.num_pages
+    bs = len(seq_lens)
+    batch = Batch([Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [n - 1 for n in seq_lens], [1] * bs,
+                  [True] * bs)
+    batch.input_ids = torch.randint(0, 151936, (bs,), dtype=torch.int32, device="cuda")
+    batch.positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device="cuda")
+    batch.out_loc = torch.tensor(out_loc, dtype=torch.int32, device="cuda")
+    batch.table_idx = torch.arange(bs, dtype=torch.int32, device="cuda")
+    batch.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return batch
+
+
+@torch.inference_mode()
+def _eager(engine, batch):
+    engine.attn_backend.prepare_metadata(batch)
+    with engine.ctx.forward_batch(batch):
+        return engine.model()
+
+
+@pytest.mark.parametrize("batch_size", [1, 5, 64])
+def test_cuda_graph_decode_matches_eager_for_a_real_size_model(qwen3_engine, batch_size):
+    runner = qwen3_engine.graph_runner
+    assert runner is not None and runner.max_bs == 64
+    torch.manual_seed(batch_size)
+    seq_lens = torch.randint(1, 1000, (batch_size,)).tolist()
+    batch = _decode_batch(qwen3_engine, seq_lens)
+    want = _eager(qwen3_engine, batch).float()
+    with torch.inference_mode():
+        got = runner.replay(batch)[:batch_size].float()
+    assert batch.padded_size == runner.padded_size(batch_size)
+    rel = (got - want).norm() / want.norm()
+    assert rel < 2e-2, f"graph replay differs from eager by {rel:.3g} (relative)"
+
+
+def test_cuda_graph_replay_is_faster_than_eager_at_batch_size_1(qwen3_engine):
+    """Decode at batch 1 is launch-bound: this is what the graphs are for."""
+    runner = qwen3_engine.graph_runner
+    batch = _decode_batch(qwen3_engine, [1000])
+
+    def timed(fn, n=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
+    with torch.inference_mode():
+        graph_s = timed(lambda: runner.replay(batch))
+    eager_s = timed(lambda: _eager(qwen3_engine, batch))
+    print(f"Qwen3-0.6B decode step at batch 1: graph {graph_s * 1e3:.2f} ms, eager {eager_s * 1e3:.2f} ms")
+    assert graph_s < eager_s
