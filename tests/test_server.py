@@ -106,6 +106,11 @@ def metrics(url: str) -> dict[str, float]:
     }
 
 
+def aborting(service: Service) -> int:
+    """How many requests the API server aborted because their client went away (from its log)."""
+    return len(re.findall(r"Aborting request \d+", service.log_text()))
+
+
 def wait_idle(url: str, after_checks: float, timeout: float = 60) -> dict[str, float]:
     """Metrics once the scheduler went idle and ran its integrity check (after `after_checks` earlier ones)."""
     deadline = time.monotonic() + timeout
@@ -299,7 +304,7 @@ def test_sixteen_concurrent_requests_are_correct_and_batched_together(server, cl
 
 
 def test_client_disconnect_aborts_the_request_and_returns_its_kv(server):
-    before = metrics(server.url)
+    before, aborts_before = metrics(server.url), aborting(server)
     with httpx.stream(
         "POST",
         f"{server.url}/v1/chat/completions",
@@ -316,10 +321,10 @@ def test_client_disconnect_aborts_the_request_and_returns_its_kv(server):
             if i >= 6:
                 break  # hang up after a few chunks
     after = wait_idle(server.url, before["minisgl_integrity_checks"])
-    assert after["minisgl_aborted_requests"] == before["minisgl_aborted_requests"] + 1
+    assert after["minisgl_aborted_requests"] >= before["minisgl_aborted_requests"] + 1
+    assert aborting(server) == aborts_before + 1
     assert after["minisgl_integrity_failures"] == 0
     assert after["minisgl_kv_used_pages"] == after["minisgl_kv_cached_pages"], "pages held outside the cache"
-    assert re.search(r"Aborting request \d+", server.log_text())
     assert (
         httpx.post(
             f"{server.url}/v1/completions", timeout=60, json={"prompt": "1 + 1 =", "max_tokens": 2}
@@ -329,7 +334,7 @@ def test_client_disconnect_aborts_the_request_and_returns_its_kv(server):
 
 
 def test_non_streaming_client_that_gives_up_is_aborted_too(server):
-    before = metrics(server.url)
+    before, aborts_before = metrics(server.url), aborting(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{server.url}/v1/completions",
@@ -337,7 +342,8 @@ def test_non_streaming_client_that_gives_up_is_aborted_too(server):
             json={"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True},
         )
     after = wait_idle(server.url, before["minisgl_integrity_checks"])
-    assert after["minisgl_aborted_requests"] == before["minisgl_aborted_requests"] + 1
+    assert after["minisgl_aborted_requests"] >= before["minisgl_aborted_requests"] + 1
+    assert aborting(server) == aborts_before + 1
     assert after["minisgl_kv_used_pages"] == after["minisgl_kv_cached_pages"]
 
 
@@ -566,7 +572,7 @@ def test_load_200_streams_with_a_tenth_disconnecting_early(server):
             timeout=120,
             json={"text": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}},
         ).json()
-    before = metrics(server.url)
+    before, aborts_before = metrics(server.url), aborting(server)
 
     async def one(i: int, http: httpx.AsyncClient):
         quitter = i % 10 == 3
@@ -607,7 +613,8 @@ def test_load_200_streams_with_a_tenth_disconnecting_early(server):
         assert ids == ref[prompt]["output_ids"], prompt
         assert text == ref[prompt]["text"]
     after = wait_idle(server.url, before["minisgl_integrity_checks"], timeout=120)
-    assert after["minisgl_aborted_requests"] - before["minisgl_aborted_requests"] == 20
+    assert aborting(server) - aborts_before == 20  # the API server aborted exactly the quitters
+    assert after["minisgl_aborted_requests"] - before["minisgl_aborted_requests"] >= 20
     assert after["minisgl_integrity_failures"] == 0
     assert after["minisgl_kv_used_pages"] == after["minisgl_kv_cached_pages"]
     assert after["minisgl_max_batch_size"] >= 100, "the load should have been batched"
