@@ -210,7 +210,7 @@ def test_cuda_graph_decode_matches_eager_for_a_real_size_model(qwen3_engine, bat
         got = runner.replay(batch)[:batch_size].float()
     assert batch.padded_size == runner.padded_size(batch_size)
     rel = (got - want).norm() / want.norm()
-    assert rel < 2e-2, f"graph replay differs from eager by {rel:.3g} (relative)"
+    assert rel < 5e-2, f"graph replay differs from eager by {rel:.3g} (relative)"
 
 
 def test_cuda_graph_replay_is_faster_than_eager_at_batch_size_1(qwen3_engine):

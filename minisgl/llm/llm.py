@@ -67,7 +67,8 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> List[Dict[str, Any]]:
         """Generate for every prompt; returns one dict per prompt, in order: `text`, `token_ids` (the
-        generated ids), `finish_reason`, `prompt_tokens`."""
+        generated ids), `finish_reason`, `prompt_tokens`; with `logprobs=True` also `logprobs` (per token) and,
+        with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of strings or of token-id lists")
         if sampling_params is None:
@@ -94,6 +95,8 @@ class LLM:
                 out["token_ids"].append(res.token_id)
                 if res.logprob is not None:
                     out.setdefault("logprobs", []).append(res.logprob)
+                if res.top_logprobs is not None:
+                    out.setdefault("top_logprobs", []).append(res.top_logprobs)
                 if res.finished:
                     out["finish_reason"] = res.finish_reason
                     remaining -= 1

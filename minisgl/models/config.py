@@ -57,7 +57,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
+            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),

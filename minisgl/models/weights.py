@@ -71,10 +71,14 @@ def load_weights(model: nn.Module, weights: Iterator[Tuple[str, torch.Tensor]], 
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights with the real shapes (`--load-format dummy`), small enough to keep activations sane."""
+    """Random weights with the real shapes (`--load-format dummy`): matrices scaled by 1/sqrt(fan_in) so
+    activations keep their size through the layers and the greedy output is not degenerate."""
     torch.manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
+        elif p.dim() == 2:
+            bound = (3.0 / p.shape[1]) ** 0.5
+            p.data.uniform_(-bound, bound)
         else:
             p.data.uniform_(-0.02, 0.02)

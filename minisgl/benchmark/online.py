@@ -1,0 +1,272 @@
+"""Online serving benchmark: streaming chat requests against any OpenAI-compatible server.
+
+    python -m minisgl.benchmark.online --base-url http://127.0.0.1:1919/v1                    # W4, 16 at a time
+    python -m minisgl.benchmark.online --base-url http://127.0.0.1:1919/v1 --request-rate 2   # Poisson arrivals
+    python -m minisgl.benchmark.online --base-url http://127.0.0.1:8000/v1 --model HuggingFaceTB/SmolLM2-135M-Instruct
+
+Workload W4 (the project's benchmark brief): N chat requests "Write a long story about <topic>, number <i>."
+over 16 topics, temperature 0, max_tokens 128. Per request it measures the time to first token (TTFT), the
+gaps between streamed chunks (ITL), the time per output token after the first (TPOT) and the end-to-end
+latency, and reports mean / p50 / p90 / p99 of each plus the output throughput over the whole run.
+Output tokens come from the server's usage (stream_options.include_usage) when it sends one, else from
+counting content chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TOPICS = [
+    "a dragon",
+    "the sea",
+    "a lost robot",
+    "a small village",
+    "the moon",
+    "a detective",
+    "a forest",
+    "a time traveller",
+    "a lighthouse keeper",
+    "a chess player",
+    "a mountain",
+    "a city at night",
+    "a music box",
+    "a pirate ship",
+    "a desert",
+    "a secret garden",
+]
+
+
+def w4_prompts(n: int) -> list[str]:
+    """The W4 prompts: topic i % 16, numbered i."""
+    return [f"Write a long story about {TOPICS[i % len(TOPICS)]}, number {i}." for i in range(n)]
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0  # seconds from sending to the first content
+    e2e: float = 0.0  # seconds from sending to the end of the stream
+    output_tokens: int = 0
+    usage_reported: bool = False
+    itl: list[float] = field(default_factory=list)  # gaps between content chunks
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def _one(http: Any, url: str, model: str, prompt: str, args: argparse.Namespace) -> RequestResult:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+    }
+    if args.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    res = RequestResult()
+    t0 = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                event = json.loads(payload)
+                if event.get("usage"):
+                    res.output_tokens = int(event["usage"].get("completion_tokens", 0))
+                    res.usage_reported = True
+                for choice in event.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        chunks += 1
+    except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e = time.perf_counter() - t0
+    if not res.usage_reported:
+        res.output_tokens = chunks
+    res.ok = last is not None
+    if not res.ok:
+        res.error = "no content streamed"
+    return res
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    v = sorted(values)
+
+    def pct(p: float) -> float:  # linear interpolation between closest ranks
+        k = (len(v) - 1) * p / 100
+        lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(v), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+    from tqdm import tqdm
+
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64) + 8, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
+        model = args.model
+        if model is None:
+            model = (await http.get(f"{base}/models")).json()["data"][0]["id"]
+        url = f"{base}/chat/completions"
+        for i in range(args.warmup):  # excluded from the figures
+            await _one(http, url, model, f"Warm-up request {i}.", args)
+
+        prompts = w4_prompts(args.num_requests)
+        results: list[RequestResult] = [RequestResult() for _ in prompts]
+        bar = tqdm(total=len(prompts), desc="requests", file=sys.stderr)
+        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+        async def task(i: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            if gate is None:
+                results[i] = await _one(http, url, model, prompts[i], args)
+            else:
+                async with gate:
+                    results[i] = await _one(http, url, model, prompts[i], args)
+            bar.update(1)
+
+        delays = [0.0] * len(prompts)
+        if args.request_rate:  # Poisson arrivals: exponential gaps
+            rng, t = random.Random(args.seed), 0.0
+            for i in range(len(prompts)):
+                delays[i] = t
+                t += rng.expovariate(args.request_rate)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(task(i, d) for i, d in enumerate(delays)))
+        wall = time.perf_counter() - t0
+        bar.close()
+
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ms = 1000.0
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    report = {
+        "base_url": base,
+        "model": model,
+        "num_requests": len(prompts),
+        "completed": len(ok),
+        "failed": len(prompts) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "duration_s": wall,
+        "output_tokens": out_tokens,
+        "tokens_counted_by": "usage" if ok and all(r.usage_reported for r in ok) else "content chunks",
+        "output_throughput_tok_s": out_tokens / wall if wall > 0 else 0.0,
+        "request_throughput_req_s": len(ok) / wall if wall > 0 else 0.0,
+        "ttft_ms": {k: v * ms for k, v in _summary([r.ttft for r in ok]).items()},
+        "tpot_ms": {k: v * ms for k, v in _summary(tpots).items()},
+        "itl_ms": {k: v * ms for k, v in _summary([g for r in ok for g in r.itl]).items()},
+        "e2e_ms": {k: v * ms for k, v in _summary([r.e2e for r in ok]).items()},
+    }
+    if args.save_requests:
+        report["requests"] = [asdict(r) for r in results]
+    return report
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    mode = f"rate {rep['request_rate']}/s" if rep["request_rate"] else f"concurrency {rep['concurrency']}"
+    print(
+        f"\n{rep['model']} at {rep['base_url']}: {rep['completed']}/{rep['num_requests']} requests ({mode}), "
+        f"max_tokens {rep['max_tokens']}, temperature {rep['temperature']}"
+    )
+    if rep["failed"]:
+        print(f"  failed: {rep['failed']}  e.g. {rep['errors'][:2]}")
+    print(
+        f"  duration {rep['duration_s']:.2f} s, output tokens {rep['output_tokens']} "
+        f"(counted by {rep['tokens_counted_by']})"
+    )
+    print(
+        f"  output throughput {rep['output_throughput_tok_s']:.1f} tok/s, "
+        f"{rep['request_throughput_req_s']:.2f} req/s"
+    )
+    print(f"  {'(ms)':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key in ("ttft", "tpot", "itl", "e2e"):
+        s = rep[f"{key}_ms"]
+        print(f"  {key.upper():<6}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl.benchmark.online",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:1919/v1", help="the server's OpenAI API root")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="requests in flight (default 16 without a rate)"
+    )
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos (a minisgl/vLLM/SGLang extension)"
+    )
+    p.add_argument(
+        "--no-usage",
+        dest="include_usage",
+        action="store_false",
+        help="do not ask for stream_options.include_usage (count content chunks instead)",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="requests sent first and not measured")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--output-json", default=None, help="also write the report here")
+    p.add_argument(
+        "--save-requests", action="store_true", help="include every request's measurements in the JSON"
+    )
+    args = p.parse_args(argv)
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = 16
+    if (args.concurrency is not None and args.concurrency < 1) or (
+        args.request_rate is not None and args.request_rate <= 0
+    ):
+        p.error("--concurrency must be >= 1 and --request-rate > 0")
+    report = asyncio.run(run(args))
+    print_report(report)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["completed"] == report["num_requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Where a decode step's time goes: CPU scheduling vs device kernels, on a W1-like steady state.
+
+python -m minisgl.benchmark.profile_step --model qwen3-0.6b --batch 256 --context 600
+Prints the wall time per step, the CPU time of scheduling / result processing, and the top device kernels
+(torch.profiler) for a few steps."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--attn", default="auto")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    args = ap.parse_args()
+    model = os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
+    llm = LLM(model, dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
+              cuda_graph_max_bs=args.cuda_graph_max_bs, max_running_req=max(args.batch, 1))
+    s = llm.scheduler
+    random.seed(0)
+    for i in range(args.batch):
+        s.add_request(i, [random.randint(0, 10000) for _ in range(args.context)],
+                      SamplingParams(max_tokens=args.steps + 50, ignore_eos=True))
+    while s.prefill.waiting or s.prefill.chunked:
+        s.step()
+    for _ in range(5):
+        s.step()
+    torch.cuda.synchronize()
+
+    timers = {"schedule": 0.0, "launch": 0.0, "process": 0.0}
+    orig = {"schedule": s._schedule, "launch": s._launch, "process": s._process}
+
+    def wrap(name):
+        def f(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig[name](*a, **k)
+            finally:
+                timers[name] += time.perf_counter() - t
+        return f
+
+    s._schedule, s._launch, s._process = wrap("schedule"), wrap("launch"), wrap("process")
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        s.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / args.steps
+    print(f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.2f} ms/step "
+          f"({args.batch / wall:.0f} tok/s); CPU per step: " +
+          ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in timers.items()))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            s.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
