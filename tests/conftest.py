@@ -19,6 +19,16 @@ import torch
 # A KV leak found by the scheduler's idle integrity check fails loudly in tests.
 os.environ.setdefault("MINISGL_STRICT_INTEGRITY", "1")
 
+# CPU threads for the engines and references these helpers build. On a two-core machine shared with other
+# processes, two OpenMP threads wait on each other at every op and run 5-10x slower than one; at these
+# model sizes one thread loses little on a quiet machine. MINISGL_TEST_THREADS=0 keeps the engine's choice.
+TEST_THREADS = int(os.environ.get("MINISGL_TEST_THREADS", "1"))
+
+
+def use_test_threads() -> None:
+    if TEST_THREADS > 0:
+        torch.set_num_threads(TEST_THREADS)
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -158,6 +168,7 @@ class HFReference:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        use_test_threads()
         self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
 
     @torch.no_grad()
@@ -259,6 +270,7 @@ def make_llm(model_path: Any, **kwargs: Any) -> Iterator[Any]:
     from minisgl.llm import LLM
 
     llm = LLM(model_path, **kwargs)
+    use_test_threads()  # the engine set its own thread count
     try:
         yield llm
     finally:
