@@ -248,3 +248,19 @@ def test_llm_accepts_a_gguf_file_path(default_model_dir):
     assert gguf.endswith(".gguf") and os.path.isfile(gguf)
     assert resolve_model_path(gguf) == default_model_dir
     assert os.path.isfile(os.path.join(default_model_dir, "config.json"))
+
+
+def test_two_llms_in_one_process_each_compute_their_own_model(tiny_model_dirs, hf_reference):
+    """Building (or shutting down) a second LLM does not disturb the first one's engine."""
+    p = prompt(10, seed=1)
+    other_vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
+    q = random_prompt(10, other_vocab, seed=1)
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs()) as first:
+        with make_llm(tiny_model_dirs["qwen3"], **tiny_llm_kwargs()) as second:
+            a = first.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"]
+            b = second.generate([q], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"]
+            assert_tokens_equal_hf(a, hf_reference(ARCH), p, what="first LLM beside a second")
+            assert_tokens_equal_hf(b, hf_reference("qwen3"), q, what="second LLM")
+        again = first.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"]
+        assert again == a
+        assert_all_kv_free(first)

@@ -145,6 +145,7 @@ class Engine:
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         """Run the model on `batch`, sample, write the sampled tokens into the token pool, start the
         host copy. Returns immediately on a GPU (nothing here waits for the device)."""
+        set_global_ctx(self.ctx)  # the layers read this engine's Context, even if another was built since
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.replay(batch)
         else:
