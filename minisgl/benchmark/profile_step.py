@@ -27,7 +27,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--attn", default="auto")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    ap.add_argument("--timeline", action="store_true", help="run W1 and summarise every step instead")
     args = ap.parse_args()
+    if args.timeline:
+        return timeline(args)
     model = os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
     llm = LLM(model, dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
               cuda_graph_max_bs=args.cuda_graph_max_bs, max_running_req=max(args.batch, 1))
@@ -70,6 +73,51 @@ def main() -> None:
             s.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+def timeline(args: argparse.Namespace) -> None:
+    """Run W1 through LLM.generate and sum the wall time of prefill and decode steps by batch size."""
+    from .offline import get_workload
+
+    model = os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
+    llm = LLM(model, dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
+              cuda_graph_max_bs=args.cuda_graph_max_bs)
+    w = get_workload("w1")
+    llm.generate(w.prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True)] * 8)
+    s = llm.scheduler
+    steps: list = []
+    orig_schedule, orig_step = s._schedule, s.step
+
+    def schedule():
+        b = orig_schedule()
+        steps.append(["idle" if b is None else b.phase, 0 if b is None else b.size,
+                      0 if b is None else b.num_tokens, 0.0])
+        return b
+
+    def step():
+        t = time.perf_counter()
+        out = orig_step()
+        if steps:
+            steps[-1][3] += time.perf_counter() - t
+        return out
+
+    s._schedule, s.step = schedule, step
+    t = time.perf_counter()
+    llm.generate(w.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in w.outputs])
+    total = time.perf_counter() - t
+    print(f"W1 {w.output_tokens / total:.0f} tok/s, {total:.2f} s, {len(steps)} steps")
+    buckets: dict = {}
+    for phase, bs, ntok, dt in steps:
+        key = (phase, min(256, 1 << max(0, bs - 1).bit_length()) if phase == "decode" else 0)
+        b = buckets.setdefault(key, [0, 0.0, 0, 0])
+        b[0] += 1
+        b[1] += dt
+        b[2] += ntok
+        b[3] += bs
+    for key in sorted(buckets):
+        n, dt, ntok, bs = buckets[key]
+        print(f"{key[0]:>7} bs<={key[1]:>3}: {n:5d} steps {dt:7.3f} s ({dt / n * 1e3:6.2f} ms/step), "
+              f"{ntok} tokens, mean bs {bs / n:.1f}")
 
 
 if __name__ == "__main__":
