@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--attn", default="auto")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    ap.add_argument("--prefill", action="store_true", help="profile one prefill step instead")
     ap.add_argument("--timeline", action="store_true", help="run W1 and summarise every step instead")
     args = ap.parse_args()
     if args.timeline:
@@ -39,6 +40,22 @@ def main() -> None:
     for i in range(args.batch):
         s.add_request(i, [random.randint(0, 10000) for _ in range(args.context)],
                       SamplingParams(max_tokens=args.steps + 50, ignore_eos=True))
+    if args.prefill:  # profile the first prefill step (after a warm-up request)
+        llm.generate([[1] * args.context], SamplingParams(max_tokens=2))
+        from torch.profiler import ProfilerActivity, profile
+
+        for i in range(args.batch):
+            s.add_request(10_000 + i, [random.randint(0, 10000) for _ in range(args.context)],
+                          SamplingParams(max_tokens=2, ignore_eos=True))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            s.step()
+            torch.cuda.synchronize()
+            print(f"prefill step: {(time.perf_counter() - t) * 1e3:.1f} ms")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=50))
+        return
     while s.prefill.waiting or s.prefill.chunked:
         s.step()
     for _ in range(5):
