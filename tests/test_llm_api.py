@@ -264,3 +264,24 @@ def test_two_llms_in_one_process_each_compute_their_own_model(tiny_model_dirs, h
         again = first.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"]
         assert again == a
         assert_all_kv_free(first)
+
+
+def test_logprobs_equal_hf_log_softmax(llm, tiny_model_dirs):
+    """logprobs=True reports each generated token's log-probability under the model, and top_logprobs=k
+    the k most likely (id, logprob) pairs, as Hugging Face's log-softmax of the same step gives them."""
+    import torch
+
+    p = prompt(9, seed=21)
+    out = llm.generate([p], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3))[0]
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 6
+    model = HFReference(tiny_model_dirs[ARCH]).model
+    ids = torch.tensor([p + out["token_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), dim=-1)
+    for i, (tok, lp) in enumerate(zip(out["token_ids"], out["logprobs"])):
+        row = logp[len(p) - 1 + i]
+        assert abs(lp - float(row[tok])) < 1e-3, (i, lp, float(row[tok]))
+        top = out["top_logprobs"][i]
+        assert len(top) == 3
+        assert [int(t) for t, _ in top] == row.topk(3).indices.tolist()
+        assert all(abs(v - float(row[int(t)])) < 1e-3 for t, v in top)
