@@ -61,4 +61,7 @@ def test_fast_path_equals_reference_qwen3_06b_bf16():
     common = dict(dtype=torch.bfloat16, load_format="dummy", num_page_override=16384, max_seq_len_override=2048)
     ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=16, overlap=True, **common)
-    _assert_same_greedy(fast, ref, tie=1e-3)
+    # bf16 logits of these random weights are tens in size, so one bf16 rounding step is 0.06-0.25: two
+    # attention kernels that round differently may swap tokens whose top-2 gap is within a few such steps
+    # (a 1e-3 criterion is below bf16 resolution here). Measured first differences: gaps 0.03-0.31.
+    _assert_same_greedy(fast, ref, tie=0.5)

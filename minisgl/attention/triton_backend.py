@@ -256,10 +256,15 @@ class TritonAttnBackend(BaseAttnBackend):
         for extend in batch.extend_lens:
             starts.append(start)
             start += extend
-        host = torch.tensor(starts + list(batch.prefix_lens) + list(batch.extend_lens), dtype=torch.int32)
+        # each part 16-byte aligned (Triton specialises on pointer alignment: no recompiles per batch size)
+        n = (batch.size + 3) // 4 * 4
+        host = torch.zeros(3 * n, dtype=torch.int32)
+        for i, part in enumerate((starts, batch.prefix_lens, batch.extend_lens)):
+            host[i * n:i * n + batch.size] = torch.tensor(part, dtype=torch.int32)
         if device.type == "cuda":
             host = host.pin_memory()  # so the copy below is asynchronous
-        q_start, prefix_lens, extend_lens = host.to(device, non_blocking=True).split(batch.size)
+        dev = host.to(device, non_blocking=True)
+        q_start, prefix_lens, extend_lens = (dev[i * n:i * n + batch.size] for i in range(3))
         batch.attn_metadata = TritonExtendMetadata(batch.table_idx, q_start, prefix_lens, extend_lens,
                                                    max(batch.extend_lens))
 

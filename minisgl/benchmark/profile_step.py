@@ -37,13 +37,27 @@ def main() -> None:
               cuda_graph_max_bs=args.cuda_graph_max_bs, max_running_req=max(args.batch, 1))
     s = llm.scheduler
     random.seed(0)
-    for i in range(args.batch):
-        s.add_request(i, [random.randint(0, 10000) for _ in range(args.context)],
-                      SamplingParams(max_tokens=args.steps + 50, ignore_eos=True))
     if args.prefill:  # profile the first prefill step (after a warm-up request)
         llm.generate([[1] * args.context], SamplingParams(max_tokens=2))
         from torch.profiler import ProfilerActivity, profile
 
+        for rep in range(3):  # separate the first-time costs (allocations, Triton compiles) from a step's own
+            for i in range(args.batch):
+                s.add_request(20_000 + rep * 1000 + i, [random.randint(0, 10000) for _ in range(args.context)],
+                              SamplingParams(max_tokens=2, ignore_eos=True))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            batch = s._schedule()
+            t1 = time.perf_counter()
+            out = s._launch(batch)
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            s._pending_outputs += s._process(batch, out)
+            while s.has_work:
+                s.step()
+            print(f"prefill rep {rep}: schedule {(t1 - t0) * 1e3:.1f} ms, launch {(t2 - t1) * 1e3:.1f} ms, "
+                  f"device wait {(t3 - t2) * 1e3:.1f} ms")
         for i in range(args.batch):
             s.add_request(10_000 + i, [random.randint(0, 10000) for _ in range(args.context)],
                           SamplingParams(max_tokens=2, ignore_eos=True))
@@ -56,6 +70,10 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=50))
         return
+    random.seed(0)
+    for i in range(args.batch):
+        s.add_request(i, [random.randint(0, 10000) for _ in range(args.context)],
+                      SamplingParams(max_tokens=args.steps + 50, ignore_eos=True))
     while s.prefill.waiting or s.prefill.chunked:
         s.step()
     for _ in range(5):

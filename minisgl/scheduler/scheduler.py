@@ -233,12 +233,19 @@ class Scheduler:
         seq_lens = batch.seq_lens
         parts = [positions, out_loc, *page_table_writes, table_idx, seq_lens, sample_rows, sample_pos,
                  logits_idx or [], input_ids or []]
-        host = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+        # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
+        # part at a varying alignment would recompile kernels step after step
+        padded = [(len(p) + 3) // 4 * 4 for p in parts]
+        host = torch.zeros(sum(padded), dtype=torch.int32)
+        offsets = [sum(padded[:i]) for i in range(len(parts))]
+        for off, p in zip(offsets, parts):
+            if p:
+                host[off:off + len(p)] = torch.tensor(p, dtype=torch.int32)
         if is_cuda(self.device):
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
         (pos_t, loc_t, pt_rows, pt_pos, pt_slots, tidx_t, lens_t, srows_t, spos_t, lidx_t, ids_t) = \
-            dev.split([len(p) for p in parts])
+            [dev[off:off + len(p)] for off, p in zip(offsets, parts)]
         batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t = pos_t, loc_t, tidx_t, lens_t
         batch.sample_table_idx, batch.sample_pos = srows_t, spos_t
         batch.logits_idx = lidx_t.long() if logits_idx is not None else None
