@@ -312,7 +312,7 @@ def test_client_disconnect_aborts_the_request_and_returns_its_kv(server):
         json={
             "model": "m",
             "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 600,
+            "max_tokens": 400,
             "stream": True,
             "ignore_eos": True,
         },
@@ -339,7 +339,7 @@ def test_non_streaming_client_that_gives_up_is_aborted_too(server):
         httpx.post(
             f"{server.url}/v1/completions",
             timeout=2,
-            json={"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True},
+            json={"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True},
         )
     after = wait_idle(server.url, before["minisgl_integrity_checks"])
     assert after["minisgl_aborted_requests"] >= before["minisgl_aborted_requests"] + 1
@@ -558,6 +558,49 @@ def test_missing_max_tokens_is_bounded_by_the_context(server, tokenizer):
     ).json()
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"]["completion_tokens"] == CONTEXT - n
+
+
+# ---- the online benchmark client ------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [["--concurrency", "3"], ["--request-rate", "20", "--no-usage"]])
+def test_online_benchmark_client_reports_latencies_and_throughput(server, tmp_path, mode):
+    out = tmp_path / "report.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minisgl.benchmark.online",
+            "--base-url",
+            f"{server.url}/v1",
+            "--num-requests",
+            "6",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--warmup",
+            "0",
+            "--output-json",
+            str(out),
+            *mode,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 6 and rep["failed"] == 0
+    assert rep["model"] == "SmolLM2-135M-Instruct"  # asked from /v1/models
+    if "--no-usage" in mode:
+        assert rep["tokens_counted_by"] == "content chunks" and 0 < rep["output_tokens"] <= 36
+    else:
+        assert rep["tokens_counted_by"] == "usage" and rep["output_tokens"] == 36
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(rep[key]) == {"mean", "p50", "p90", "p99"}
+        assert 0 < rep[key]["p50"] <= rep[key]["p90"] <= rep[key]["p99"]
+    assert rep["e2e_ms"]["p50"] >= rep["ttft_ms"]["p50"]
+    assert rep["output_throughput_tok_s"] > 0
+    assert "TTFT" in r.stdout and "output throughput" in r.stdout
 
 
 # ---- load -----------------------------------------------------------------------------------------------

@@ -115,7 +115,6 @@ def test_shell_streams_a_multi_turn_chat_resets_and_exits_cleanly():
         term.expect(r"\[interrupted\]")
         term.seen = 0  # the scheduler logs to the same terminal, maybe before the shell's "[interrupted]"
         term.expect(r"Aborted request", timeout=30)  # the request was freed
-        term.expect(r"\[interrupted\].*?>>>")
 
         term.type("/exit")
         assert term.proc.wait(30) == 0
