@@ -235,12 +235,13 @@ class Scheduler:
                  logits_idx or [], input_ids or []]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
-        padded = [(len(p) + 3) // 4 * 4 for p in parts]
-        host = torch.zeros(sum(padded), dtype=torch.int32)
-        offsets = [sum(padded[:i]) for i in range(len(parts))]
-        for off, p in zip(offsets, parts):
-            if p:
-                host[off:off + len(p)] = torch.tensor(p, dtype=torch.int32)
+        flat: List[int] = []
+        offsets = []
+        for p in parts:
+            offsets.append(len(flat))
+            flat.extend(p)
+            flat.extend([0] * (-len(p) % 4))
+        host = torch.tensor(flat, dtype=torch.int32)
         if is_cuda(self.device):
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
