@@ -143,7 +143,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             model = (await http.get(f"{base}/models")).json()["data"][0]["id"]
         url = f"{base}/chat/completions"
         for i in range(args.warmup):  # excluded from the figures
-            await _one(http, url, model, f"Warm-up request {i}.", args)
+            res = await _one(http, url, model, f"Warm-up request {i}.", args)
+            if not res.ok and args.include_usage and res.error.startswith(("HTTP 400", "HTTP 422")):
+                print(
+                    "note: the server refused stream_options; counting content chunks instead",
+                    file=sys.stderr,
+                )
+                args.include_usage = False
+                await _one(http, url, model, f"Warm-up request {i}.", args)
 
         prompts = w4_prompts(args.num_requests)
         results: list[RequestResult] = [RequestResult() for _ in prompts]

@@ -305,6 +305,10 @@ def launch(args: ServerArgs) -> int:
     args = replace(args, ipc_dir=tempfile.mkdtemp(prefix="minisgl-"))
     if args.tp > 1:
         args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    # OpenMP threads that spin while waiting collapse when another process needs the same cores, and here
+    # the API server and the tokenizer worker always do: on 2 cores decode slowed down 10x. Sleeping waiters
+    # cost little. Inherited by the spawned workers (read when their OpenMP runtime starts).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     service = ServiceProcesses(args)
     try:
         service.start()
