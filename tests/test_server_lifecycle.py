@@ -1,5 +1,6 @@
-"""The service's processes: N tokenizers + 1 detokenizer, SIGTERM stops every process, bad arguments and a
-bad model fail fast with a clear message, and the offline path never imports the service's dependencies."""
+"""The service's processes: TP=2 and N tokenizers + 1 detokenizer, SIGTERM stops every process, bad
+arguments and a bad model fail fast with a clear message, and the offline path never imports the service's
+dependencies."""
 
 from __future__ import annotations
 
@@ -20,58 +21,132 @@ openai = pytest.importorskip("openai")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_separate_tokenizers_and_detokenizer_serve_correctly_and_sigterm_stops_every_process(tmp_path):
+def _tiny_model_with_a_real_tokenizer(out_dir: str) -> str:
+    """A seeded random Llama small enough to start fast, with 4 heads (TP=2 divides them) and the default
+    model's tokenizer (so the service can tokenize, apply the chat template and detokenize)."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from minisgl.utils.hf import resolve_model_path
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.15,
+        rms_norm_eps=1e-6,
+        architectures=["LlamaForCausalLM"],
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    src = resolve_model_path(None)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(src, name), out_dir)
+    return out_dir
+
+
+def test_tp2_with_separate_tokenizers_equals_the_offline_path_and_sigterm_stops_every_process(tmp_path):
+    """TP=2 (rank 0 forwards every message to rank 1) with 2 tokenizers + 1 detokenizer: 1 + 5 processes."""
+    import torch
+
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    model = _tiny_model_with_a_real_tokenizer(str(tmp_path / "tiny"))
     service = Service(
         [
+            "--model",
+            model,
+            "--tp",
+            "2",
+            "--num-tokenizer",
+            "2",
             "--dtype",
             "float32",
             "--num-pages",
-            "2048",
+            "4096",
             "--max-seq-len-override",
-            "512",
-            "--num-tokenizer",
-            "2",
+            "256",
         ],
         tmp_path / "server.log",
     )
     try:
-        service.wait_ready()
-        assert (
-            "Started 4 worker processes" in service.log_text()
-        )  # 1 scheduler + 2 tokenizers + 1 detokenizer
-        workers = service.workers()
-        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="none", timeout=120, max_retries=0)
+        prompts = [[5 + i, 7 + 2 * i, 11, 13 + i] for i in range(12)]
+        params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(12)]
+        llm = LLM(
+            model_path=model,
+            dtype=torch.float32,
+            num_page_override=4096,
+            max_seq_len_override=256,
+            show_progress=False,
+        )
+        ref = llm.generate(prompts, params)  # TP=1, one process, no messages: the independent path
+        llm.shutdown()
 
-        alone = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0)
-        assert "Paris" in alone.choices[0].message.content
-        with ThreadPoolExecutor(8) as ex:  # spread over both tokenizers
-            answers = list(
-                ex.map(
-                    lambda _: (
-                        client.chat.completions.create(
-                            model="m", messages=QUESTION, max_tokens=12, temperature=0
-                        )
-                        .choices[0]
-                        .message.content
-                    ),
-                    range(8),
-                )
-            )
-        assert answers == [alone.choices[0].message.content] * 8
+        service.wait_ready()
+        assert "Started 5 worker processes" in service.log_text()  # 2 schedulers, 2 tokenizers, 1 detokenizer
+        workers = service.workers()
+
+        def generate(i: int) -> dict:
+            return httpx.post(
+                f"{service.url}/generate",
+                timeout=120,
+                json={
+                    "input_ids": prompts[i],
+                    "sampling_params": {"max_new_tokens": 10 + i, "temperature": 0, "ignore_eos": True},
+                },
+            ).json()
+
+        with ThreadPoolExecutor(12) as ex:  # batched, and spread over both tokenizers
+            outs = list(ex.map(generate, range(12)))
+        assert [o["output_ids"] for o in outs] == [r["token_ids"] for r in ref]
+        assert [o["text"] for o in outs] == [r["text"] for r in ref]
 
         # a stop string is found by the detokenizer process, which tells the scheduler to stop
-        text = alone.choices[0].message.content
-        cut = client.chat.completions.create(
-            model="m", messages=QUESTION, max_tokens=12, temperature=0, stop=["France"]
-        )
-        assert cut.choices[0].message.content == text[: text.index("France")]
-        # a disconnect: the abort travels through a tokenizer to the scheduler
+        text = ref[11]["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        cut = httpx.post(
+            f"{service.url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": prompts[11],
+                "max_tokens": 21,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop": stop,
+            },
+        ).json()
+        assert cut["choices"][0]["text"] == text[: text.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        chat = httpx.post(
+            f"{service.url}/v1/chat/completions",
+            timeout=120,
+            json={"messages": QUESTION, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        ).json()
+        assert chat["usage"]["completion_tokens"] == 5
+
+        # a disconnect: the abort travels through a tokenizer to rank 0, which forwards it to rank 1
         before = metrics(service.url)
         with httpx.stream(
             "POST",
-            f"{service.url}/v1/completions",
+            f"{service.url}/generate",
             timeout=60,
-            json={"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True},
+            json={
+                "input_ids": [5, 6, 7],
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+            },
         ) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 4:
@@ -81,6 +156,7 @@ def test_separate_tokenizers_and_detokenizer_serve_correctly_and_sigterm_stops_e
         assert after["minisgl_aborted_requests"] >= before["minisgl_aborted_requests"] + 1
         assert "Aborting request" in service.log_text()
         assert after["minisgl_kv_used_pages"] == after["minisgl_kv_cached_pages"]
+        assert after["minisgl_integrity_failures"] == 0
 
         t0 = time.monotonic()
         service.proc.send_signal(signal.SIGTERM)
