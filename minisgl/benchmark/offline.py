@@ -12,7 +12,9 @@ output length; throughput = output tokens / wall time of the generate call, afte
   w2  1 request, 128 prompt tokens, 256 output tokens (GPU single-request latency)
   w3  32 requests, prompts and outputs of 32..256 tokens (CPU offline throughput)
   shared-prefix  64 requests = one common 512-token system prompt + 16..64 own tokens, 32 output tokens each
-Comma-separated values of --cache and --overlap run each configuration in turn (a fresh engine each)."""
+Comma-separated values of --cache and --overlap run each configuration in turn (a fresh engine each).
+On a CPU shared with other busy processes, set OMP_WAIT_POLICY=PASSIVE (for the peer too): spinning OpenMP
+threads otherwise slow both down several times, and by different amounts."""
 
 from __future__ import annotations
 
