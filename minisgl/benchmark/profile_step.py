@@ -32,9 +32,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.timeline:
         return timeline(args)
-    model = os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
-    llm = LLM(model, dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
-              cuda_graph_max_bs=args.cuda_graph_max_bs, max_running_req=max(args.batch, 1))
+    model = (
+        os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
+    )
+    llm = LLM(
+        model,
+        dtype=torch.bfloat16,
+        load_format="dummy",
+        attn=args.attn,
+        show_progress=False,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        max_running_req=max(args.batch, 1),
+    )
     s = llm.scheduler
     random.seed(0)
     if args.prefill:  # profile the first prefill step (after a warm-up request)
@@ -43,8 +52,11 @@ def main() -> None:
 
         for rep in range(3):  # separate the first-time costs (allocations, Triton compiles) from a step's own
             for i in range(args.batch):
-                s.add_request(20_000 + rep * 1000 + i, [random.randint(0, 10000) for _ in range(args.context)],
-                              SamplingParams(max_tokens=2, ignore_eos=True))
+                s.add_request(
+                    20_000 + rep * 1000 + i,
+                    [random.randint(0, 10000) for _ in range(args.context)],
+                    SamplingParams(max_tokens=2, ignore_eos=True),
+                )
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             batch = s._schedule()
@@ -56,11 +68,16 @@ def main() -> None:
             s._pending_outputs += s._process(batch, out)
             while s.has_work:
                 s.step()
-            print(f"prefill rep {rep}: schedule {(t1 - t0) * 1e3:.1f} ms, launch {(t2 - t1) * 1e3:.1f} ms, "
-                  f"device wait {(t3 - t2) * 1e3:.1f} ms")
+            print(
+                f"prefill rep {rep}: schedule {(t1 - t0) * 1e3:.1f} ms, launch {(t2 - t1) * 1e3:.1f} ms, "
+                f"device wait {(t3 - t2) * 1e3:.1f} ms"
+            )
         for i in range(args.batch):
-            s.add_request(10_000 + i, [random.randint(0, 10000) for _ in range(args.context)],
-                          SamplingParams(max_tokens=2, ignore_eos=True))
+            s.add_request(
+                10_000 + i,
+                [random.randint(0, 10000) for _ in range(args.context)],
+                SamplingParams(max_tokens=2, ignore_eos=True),
+            )
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
@@ -72,8 +89,11 @@ def main() -> None:
         return
     random.seed(0)
     for i in range(args.batch):
-        s.add_request(i, [random.randint(0, 10000) for _ in range(args.context)],
-                      SamplingParams(max_tokens=args.steps + 50, ignore_eos=True))
+        s.add_request(
+            i,
+            [random.randint(0, 10000) for _ in range(args.context)],
+            SamplingParams(max_tokens=args.steps + 50, ignore_eos=True),
+        )
     while s.prefill.waiting or s.prefill.chunked:
         s.step()
     for _ in range(5):
@@ -90,6 +110,7 @@ def main() -> None:
                 return orig[name](*a, **k)
             finally:
                 timers[name] += time.perf_counter() - t
+
         return f
 
     s._schedule, s._launch, s._process = wrap("schedule"), wrap("launch"), wrap("process")
@@ -98,9 +119,11 @@ def main() -> None:
         s.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / args.steps
-    print(f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.2f} ms/step "
-          f"({args.batch / wall:.0f} tok/s); CPU per step: " +
-          ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in timers.items()))
+    print(
+        f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.2f} ms/step "
+        f"({args.batch / wall:.0f} tok/s); CPU per step: "
+        + ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in timers.items())
+    )
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -114,9 +137,17 @@ def timeline(args: argparse.Namespace) -> None:
     """Run W1 through LLM.generate and sum the wall time of prefill and decode steps by batch size."""
     from .offline import get_workload
 
-    model = os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
-    llm = LLM(model, dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
-              cuda_graph_max_bs=args.cuda_graph_max_bs)
+    model = (
+        os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
+    )
+    llm = LLM(
+        model,
+        dtype=torch.bfloat16,
+        load_format="dummy",
+        attn=args.attn,
+        show_progress=False,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )
     w = get_workload("w1")
     llm.generate(w.prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True)] * 8)
     s = llm.scheduler
@@ -125,8 +156,14 @@ def timeline(args: argparse.Namespace) -> None:
 
     def schedule():
         b = orig_schedule()
-        steps.append(["idle" if b is None else b.phase, 0 if b is None else b.size,
-                      0 if b is None else b.num_tokens, 0.0])
+        steps.append(
+            [
+                "idle" if b is None else b.phase,
+                0 if b is None else b.size,
+                0 if b is None else b.num_tokens,
+                0.0,
+            ]
+        )
         return b
 
     def step():
@@ -151,8 +188,10 @@ def timeline(args: argparse.Namespace) -> None:
         b[3] += bs
     for key in sorted(buckets):
         n, dt, ntok, bs = buckets[key]
-        print(f"{key[0]:>7} bs<={key[1]:>3}: {n:5d} steps {dt:7.3f} s ({dt / n * 1e3:6.2f} ms/step), "
-              f"{ntok} tokens, mean bs {bs / n:.1f}")
+        print(
+            f"{key[0]:>7} bs<={key[1]:>3}: {n:5d} steps {dt:7.3f} s ({dt / n * 1e3:6.2f} ms/step), "
+            f"{ntok} tokens, mean bs {bs / n:.1f}"
+        )
 
 
 if __name__ == "__main__":
