@@ -7,7 +7,6 @@ Prints the wall time per step, the CPU time of scheduling / result processing, a
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
@@ -16,7 +15,6 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 
 
 def main() -> None:
@@ -32,18 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.timeline:
         return timeline(args)
-    model = (
-        os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
-    )
-    llm = LLM(
-        model,
-        dtype=torch.bfloat16,
-        load_format="dummy",
-        attn=args.attn,
-        show_progress=False,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        max_running_req=max(args.batch, 1),
-    )
+    llm = _make_llm(args, max_running_req=max(args.batch, 1))
     s = llm.scheduler
     random.seed(0)
     if args.prefill:  # profile the first prefill step (after a warm-up request)
@@ -133,21 +120,19 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
+def _make_llm(args: argparse.Namespace, **extra) -> LLM:
+    """The profiled engine: bf16 random weights of the named shapes (a config in configs/ or a path)."""
+    from .offline import resolve_model
+
+    return LLM(resolve_model(args.model), dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
+               cuda_graph_max_bs=args.cuda_graph_max_bs, **extra)
+
+
 def timeline(args: argparse.Namespace) -> None:
     """Run W1 through LLM.generate and sum the wall time of prefill and decode steps by batch size."""
     from .offline import get_workload
 
-    model = (
-        os.path.join(CONFIGS, args.model) if os.path.isdir(os.path.join(CONFIGS, args.model)) else args.model
-    )
-    llm = LLM(
-        model,
-        dtype=torch.bfloat16,
-        load_format="dummy",
-        attn=args.attn,
-        show_progress=False,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-    )
+    llm = _make_llm(args)
     w = get_workload("w1")
     llm.generate(w.prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True)] * 8)
     s = llm.scheduler
