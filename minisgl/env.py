@@ -25,6 +25,11 @@ class Env:
         return os.environ.get("MINISGL_CACHE_DIR", default)
 
     @property
+    def cpu_kernels(self) -> bool:
+        """Build and use the C kernels of kernel/cpu.py on CPUs (MINISGL_CPU_KERNELS=0 keeps torch ops)."""
+        return _flag("MINISGL_CPU_KERNELS", default=True)
+
+    @property
     def check_integrity(self) -> bool:
         """Fail (not just log) when the idle-time KV integrity check finds a leak; tests set it."""
         return _flag("MINISGL_STRICT_INTEGRITY")

@@ -6,9 +6,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minisgl.kernel import cpu as cpu_kernels
 from minisgl.utils import Registry
 
 from .base import AttnConfig, BaseAttnBackend, HybridBackend
+from .cpu_backend import CpuAttnBackend
 from .torch_backend import TorchAttnBackend
 
 if TYPE_CHECKING:
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 
 ATTN_BACKENDS: Registry[type] = Registry("attention backend")
 ATTN_BACKENDS.register("torch")(TorchAttnBackend)
+ATTN_BACKENDS.register("cpu")(CpuAttnBackend)
 
 
 def _register_optional() -> None:
@@ -29,13 +32,16 @@ def _register_optional() -> None:
         pass
 
 
-def resolve_attn_name(name: str, device: torch.device) -> str:
-    """`auto`: triton on CUDA (when importable), torch elsewhere."""
+def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """`auto`: triton on CUDA (when importable); cpu on a CPU in float32 where its C kernel builds; torch
+    elsewhere."""
     _register_optional()
     if name != "auto":
         return name
     if device.type == "cuda" and "triton" in ATTN_BACKENDS:
         return "triton"
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
+        return "cpu"
     return "torch"
 
 
@@ -44,10 +50,10 @@ def create_attn_backend(name: str, config: AttnConfig, kv_pool: "KVPool",
     """`name` is one backend, `auto`, or a `prefill,decode` pair."""
     _register_optional()
     if "," in name:
-        prefill, decode = (resolve_attn_name(n.strip(), config.device) for n in name.split(","))
+        prefill, decode = (resolve_attn_name(n.strip(), config.device, config.dtype) for n in name.split(","))
         return HybridBackend(ATTN_BACKENDS.get(prefill)(config, kv_pool, page_table),
                              ATTN_BACKENDS.get(decode)(config, kv_pool, page_table))
-    return ATTN_BACKENDS.get(resolve_attn_name(name, config.device))(config, kv_pool, page_table)
+    return ATTN_BACKENDS.get(resolve_attn_name(name, config.device, config.dtype))(config, kv_pool, page_table)
 
 
 __all__ = ["AttnConfig", "BaseAttnBackend", "ATTN_BACKENDS", "create_attn_backend", "resolve_attn_name"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from . import reference as ref
 
 _TRITON_ENABLED = True
-_CPU_SMALL_M = 64
+_CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
 
 
 def use_triton(enabled: bool) -> None:
@@ -38,12 +38,30 @@ def _on_gpu(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x W^T (+ b). On a CPU with few rows, W @ x^T picks a GEMM path that is measured to be 20-60%
-    faster with MKL (the LM head most of all); everywhere else, F.linear."""
-    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= _CPU_SMALL_M and x.dtype == torch.float32:
-        y = torch.mm(weight, x.t()).t().contiguous()  # later kernels want unit stride on the last dim
-        return y.add_(bias) if bias is not None else y
+    """y = x W^T (+ b). On a CPU in float32, oneDNN with the weight reordered once into its blocked
+    layout: measured 1.2-2.4x faster than MKL's GEMM at the row counts of decode (the 49,152-wide LM head
+    most of all)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and _CPU_PACKED_LINEAR:
+        packed = _cpu_packed_weight(weight)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The oneDNN copy of `weight`, kept on the tensor itself and redone if the weight is written to;
+    None (and F.linear from then on) where this torch build or CPU lacks it."""
+    global _CPU_PACKED_LINEAR
+    cached = getattr(weight, "_minisgl_packed", None)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
+    except (AttributeError, RuntimeError):
+        _CPU_PACKED_LINEAR = False
+        return None
+    weight._minisgl_packed = (weight._version, packed)
+    return packed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""CPU kernels in C (cpu_kernels.c), compiled once per machine with the system compiler and loaded with
+ctypes; each has a torch reference it is tested against, and callers fall back to that reference when no
+compiler is found (`available()` is False) or MINISGL_CPU_KERNELS=0.
+
+The library links OpenMP dynamically: loaded into a process where torch already holds libgomp.so.1, it
+shares torch's runtime and thread pool instead of starting a second one that would fight it for cores."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+from minisgl.env import ENV
+from minisgl.utils import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")
+# Reassociation lets the compiler vectorise the dot products; no -ffast-math (it would assume no infinities).
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-ffp-contract=fast",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built on another CPU is not reused."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> Optional[str]:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("No C compiler found: CPU kernels fall back to torch ops (slower decode attention)")
+        return None
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    out_dir = os.path.join(ENV.cache_dir, "kernels")
+    path = os.path.join(out_dir, f"cpu_kernels-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    logger.info("Compiling CPU kernels (%s) into %s", os.path.basename(compiler), path)
+    result = subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        logger.warning("Compiling CPU kernels failed; falling back to torch ops:\n%s", result.stderr[-2000:])
+        return None
+    os.replace(tmp, path)  # atomic: processes building at once each see a whole library
+    return path
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if not ENV.cpu_kernels:
+        return None
+    path = _build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.decode_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32]
+    lib.decode_attention_f32.restype = None
+    _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, Hq, D] float32 attends over keys 0..lens[b]-1 of page-table row rows[b] (int64 tensors);
+    k/v_cache [slots, Hkv, D]; page_table [rows, L] int32. Returns [B, Hq, D]. Same math as
+    reference.decode_attention."""
+    lib = _load()
+    assert lib is not None, "CPU kernels unavailable: check kernel.cpu.available() first"
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and page_table.dtype == torch.int32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
+    assert rows.dtype == lens.dtype == torch.int64 and Hq % Hkv == 0
+    q = q.contiguous()
+    rows, lens = rows.contiguous(), lens.contiguous()
+    out = torch.empty_like(q)
+    lib.decode_attention_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        page_table.data_ptr(),
+        page_table.stride(0),
+        rows.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        B,
+        Hq,
+        Hkv,
+        D,
+        scale,
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,219 @@
+/* CPU kernels that torch ops cannot express without extra copies; built on first use by kernel/cpu.py
+ * (the system C compiler, OpenMP from the runtime torch already loaded) and called through ctypes.
+ *
+ * decode_attention_f32: one query token per request, attending over the request's keys through the
+ * token-level page table (position -> KV slot), with no gather into a padded copy. Each OpenMP task is one
+ * (request, KV head): it reads every K/V row of that head once, for all the query heads of its GQA group,
+ * with an online softmax over chunks of positions. */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+
+#define CHUNK 32
+
+/* Portable version: any G and D. */
+static void attend_group_scalar(const float *q, const float *k, const float *v, int64_t slot_stride,
+                         const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
+    float m[G], l[G], acc[G * D], s[G * CHUNK];
+    for (int g = 0; g < G; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+
+    for (int64_t start = 0; start < len; start += CHUNK) {
+        int n = (int)(len - start < CHUNK ? len - start : CHUNK);
+        for (int t = 0; t < n; t++) {
+            const float *kr = k + (int64_t)slots[start + t] * slot_stride;
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + g * D;
+                float dot = 0.0f;
+                for (int d = 0; d < D; d++) dot += qg[d] * kr[d];
+                s[g * CHUNK + t] = dot * scale;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *sg = s + g * CHUNK, new_m = m[g];
+            for (int t = 0; t < n; t++) new_m = sg[t] > new_m ? sg[t] : new_m;
+            float corr = expf(m[g] - new_m), sum = 0.0f;
+            for (int t = 0; t < n; t++) {
+                sg[t] = expf(sg[t] - new_m);
+                sum += sg[t];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = new_m;
+            float *ag = acc + g * D;
+            for (int d = 0; d < D; d++) ag[d] *= corr;
+        }
+        for (int t = 0; t < n; t++) {
+            const float *vr = v + (int64_t)slots[start + t] * slot_stride;
+            for (int g = 0; g < G; g++) {
+                float p = s[g * CHUNK + t], *ag = acc + g * D;
+                for (int d = 0; d < D; d++) ag[d] += p * vr[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float inv = 1.0f / l[g];
+        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 8 horizontal sums of a[0..7], as one vector. */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+
+/* e^x for the x <= 0 of a softmax: x = n ln2 + r, e^x = 2^n p(r), p the Cephes expf polynomial (~1 ulp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* AVX2 version for D % 32 == 0: two FMA chains per dot product, the V sum in blocks of 32 floats held in
+ * registers across a chunk (the chunk's V rows stay in L1 while each query head reads them). */
+static void attend_group_avx2(const float *q, const float *k, const float *v, int64_t slot_stride,
+                              const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
+    float m[G], l[G], corr[G], acc[G * D];
+    float s[G * CHUNK] __attribute__((aligned(32)));
+    for (int g = 0; g < G; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+    }
+    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+
+    for (int64_t start = 0; start < len; start += CHUNK) {
+        int n = (int)(len - start < CHUNK ? len - start : CHUNK);
+        const int32_t *cs = slots + start;
+        int t = 0;
+        for (; t + 8 <= n; t += 8) {  // 8 rows at once: 8 independent FMA chains per query head
+            const float *kr[8];
+            for (int r = 0; r < 8; r++) kr[r] = k + (int64_t)cs[t + r] * slot_stride;
+            // The rows are scattered through the pool, out of the hardware prefetcher's sight: fetch the
+            // next 8 K rows and these 8 V rows (read by the V pass below) while the dots run.
+            for (int r = 0; r < 8; r++) {
+                const float *kn = t + 8 + r < len - start ? k + (int64_t)cs[t + 8 + r] * slot_stride : kr[r];
+                const float *vn = v + (int64_t)cs[t + r] * slot_stride;
+                for (int d = 0; d < D; d += 16) {
+                    __builtin_prefetch(kn + d);
+                    __builtin_prefetch(vn + d);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + g * D;
+                __m256 a[8];
+                for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + d);
+                    for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + d), a[r]);
+                }
+                _mm256_store_ps(s + g * CHUNK + t, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+            }
+        }
+        for (; t < n; t++) {
+            const float *kr = k + (int64_t)cs[t] * slot_stride;
+            for (int g = 0; g < G; g++) {
+                __m256 a0 = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), _mm256_loadu_ps(kr + d), a0);
+                s[g * CHUNK + t] = hsum8(a0) * scale;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *sg = s + g * CHUNK, new_m = m[g], sum = 0.0f;
+            for (int t = 0; t < n; t++) new_m = sg[t] > new_m ? sg[t] : new_m;
+            __m256 mv = _mm256_set1_ps(new_m);
+            for (int t = 0; t < n; t += 8) _mm256_store_ps(sg + t, exp8(_mm256_sub_ps(_mm256_load_ps(sg + t), mv)));
+            for (int t = 0; t < n; t++) sum += sg[t];
+            corr[g] = expf(m[g] - new_m);
+            l[g] = l[g] * corr[g] + sum;
+            m[g] = new_m;
+        }
+        for (int g = 0; g < G; g++) {
+            const float *pg = s + g * CHUNK;
+            float *ag = acc + g * D;
+            __m256 c = _mm256_set1_ps(corr[g]);
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0), c);
+                __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0 + 8), c);
+                __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0 + 16), c);
+                __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0 + 24), c);
+                for (int t = 0; t < n; t++) {
+                    const float *vr = v + (int64_t)cs[t] * slot_stride + d0;
+                    __m256 p = _mm256_broadcast_ss(pg + t);
+                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), a0);
+                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), a3);
+                }
+                _mm256_storeu_ps(ag + d0, a0);
+                _mm256_storeu_ps(ag + d0 + 8, a1);
+                _mm256_storeu_ps(ag + d0 + 16, a2);
+                _mm256_storeu_ps(ag + d0 + 24, a3);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float inv = 1.0f / l[g];
+        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+static void attend_group(const float *q, const float *k, const float *v, int64_t slot_stride,
+                         const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
+#if HAVE_AVX2
+    if (D % 32 == 0) {
+        attend_group_avx2(q, k, v, slot_stride, slots, len, G, D, scale, out);
+        return;
+    }
+#endif
+    attend_group_scalar(q, k, v, slot_stride, slots, len, G, D, scale, out);
+}
+
+/* q, out: [B, Hq, D] contiguous. k, v: [slots, Hkv, D] contiguous. page_table: [rows, table_stride] int32.
+ * rows[b]: request b's page-table row; lens[b]: its number of keys (all positions up to and including the
+ * query's). Query head h reads KV head h / (Hq / Hkv). */
+void decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *page_table,
+                          int64_t table_stride, const int64_t *rows, const int64_t *lens, float *out, int B,
+                          int Hq, int Hkv, int D, float scale, int num_threads) {
+    int G = Hq / Hkv;
+    int64_t slot_stride = (int64_t)Hkv * D;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < Hkv; h++) {
+            int64_t q_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
+            attend_group(q + q_off, k + (int64_t)h * D, v + (int64_t)h * D, slot_stride,
+                         page_table + rows[b] * table_stride, lens[b], G, D, scale, out + q_off);
+        }
+    }
+}
