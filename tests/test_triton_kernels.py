@@ -159,6 +159,9 @@ def _run_both(setup: PagedSetup, batch: Batch, seed: int = 5, num_sms: int = 0):
         triton_backend.num_sms = num_sms
     triton_backend.prepare_metadata(batch)
     meta = batch.attn_metadata
+    if batch.is_decode:  # splits without keys are never written: the merge must not read them
+        meta.mid_o.fill_(float("nan"))
+        meta.mid_lse.fill_(float("nan"))
     out = triton_backend.forward(q, k, v, 0, batch)
     # the new K/V are in the pool now; the references read them from there
     assert torch.equal(setup.pool.k(0)[batch.out_loc.long()], k)

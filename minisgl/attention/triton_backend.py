@@ -43,16 +43,19 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
                          scale_log2, GROUP, D, NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
-    keys; write the normalised partial output and its log2-sum-exp (-inf for an empty split)."""
+    keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
+    nothing (the merge reads only the splits that hold keys)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    row = tl.load(table_idx_ptr + b).to(tl.int64)
     # split lengths are whole key blocks, so only the sequence's last block needs a bounds mask
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
+    if start >= seq_len:  # graphs fix the split count for max_seq_len: most splits are empty at short lengths
+        return
     end = tl.minimum(start + chunk, seq_len)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
@@ -83,27 +86,34 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
-    has_keys = l_i > 0
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
+    out = acc / l_i[:, None]
     mid = mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dims[None, :]
     tl.store(mid, out, mask=head_mask[:, None] & dim_mask[None, :])
     tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
 @triton.jit
-def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, stride_ms, stride_lb,
-                         stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+def _split_len(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Keys per split: the sequence over NUM_SPLITS, rounded up to whole key blocks."""
+    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, stride_mb, stride_mh, stride_ms,
+                         stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over
+    the splits that hold keys (stage 1 wrote nothing for the others)."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < D
     lse = tl.load(mid_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits (-inf) weigh 0; split 0 always holds keys
+    weight = tl.exp2(lse - tl.max(lse, 0))  # masked splits (-inf) weigh 0; split 0 always holds keys
     o = tl.load(mid_o_ptr + b * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
                 mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
@@ -292,9 +302,9 @@ class TritonAttnBackend(BaseAttnBackend):
             BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, num_warps=4, num_stages=2)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _decode_merge_kernel[(bs, num_heads)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), out.stride(0), out.stride(1), splits, head_dim,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+            mid_o, mid_lse, out, meta.seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), splits, head_dim,
+            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
         return out
 
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
