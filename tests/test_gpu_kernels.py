@@ -59,6 +59,49 @@ def test_rotary_matches_reference_at_model_shapes(rot_dim):
         torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
 
 
+def test_qk_norm_rotary_matches_reference_at_model_shapes():
+    """Qwen3-0.6B heads (16 q, 8 kv, head_dim 128) at decode (1 token) and prefill (4096 tokens)."""
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+    from minisgl.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    Hq, Hk, D = 16, 8, 128
+    cache = RotaryEmbedding(D, 40960, 1e6).cos_sin_cache.cuda()
+    q_w, k_w = 1 + 0.1 * _randn(D), 1 + 0.1 * _randn(D)
+    for T in (1, 4096):
+        qkv = _randn(T, (Hq + 2 * Hk) * D)
+        q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+        positions = torch.randint(0, 40960, (T,), device="cuda", dtype=torch.int32)
+        got = triton_ops.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
+        want = ref.qk_norm_rotary(q.float(), k.float(), q_w.float(), k_w.float(), 1e-6, positions, cache)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.float(), w, **BF16_TOL)
+
+
+# (N, K) of Qwen3-0.6B's projections (qkv, o, gate|up, down) and its LM head, and of Qwen3-8B's qkv/down
+GEMV_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (6144, 4096),
+               (4096, 12288)]
+
+
+@pytest.mark.parametrize("n,k", GEMV_SHAPES)
+def test_gemv_matches_float32_linear_at_model_shapes(n, k):
+    """One row, with and without bias, plain (from a strided row) and gated (silu_and_mul input)."""
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+
+    torch.manual_seed(n + k)
+    w, b = _randn(n, k, scale=k ** -0.5), _randn(n)
+    x = _randn(1, 2 * k)
+    for bias in (None, b):
+        for gated in (False, True):
+            inp = ref.silu_and_mul(x) if gated else x[:, :k]
+            want = torch.nn.functional.linear(inp.float(), w.float(), None if bias is None else bias.float())
+            got = triton_ops.gemv(x if gated else x[:, :k], w, bias, gated=gated)
+            rel = ((got.float() - want).norm() / want.norm()).item()
+            assert got.shape == (1, n) and rel < 1e-2, f"bias={bias is not None} gated={gated}: {rel:.3g}"
+
+
 def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     from minisgl.kernel import reference as ref
     from minisgl.kernel import triton_ops

@@ -81,6 +81,66 @@ def test_apply_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
     _close(k_out, k_ref, dtype)
 
 
+@pytest.mark.parametrize("rot_dim", [24, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
+    """Qwen3's per-head q/k RMSNorm fused into rotary equals norm-then-rotate."""
+    T, Hq, Hk, D = 5, 4, 2, 24
+    qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    q_w, k_w = _randn(D, dtype=dtype, seed=1), _randn(D, dtype=dtype, seed=2)
+    cache = _randn(100, rot_dim, seed=3)
+    positions = torch.tensor([0, 5, 99, 17, 42], dtype=torch.int32, device=DEVICE)
+    got = triton_ops.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
+    # against float32 arithmetic: the bf16 reference rounds each rotary product, and where the two
+    # products cancel that rounding alone exceeds the tolerance
+    want = ref.qk_norm_rotary(q.float(), k.float(), q_w.float(), k_w.float(), 1e-6, positions, cache)
+    for g, w in zip(got, want):
+        _close(g, w, dtype)
+
+
+def _close_norm(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """|got - want| / |want| over the whole output: a GEMM's rounding error scales with the row, not
+    with each (possibly tiny) element."""
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {rel:.3g}"
+
+
+# (BLOCK_N, BLOCK_K): K = 40 is not a multiple of 16 and N = 37 not one of 4, so both tails are masked;
+# None: the tuned tiles (one K block)
+GEMV_TILES = [(4, 16), None]
+
+
+@pytest.mark.parametrize("tiles", GEMV_TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(tiles, dtype, bias):
+    x = _randn(1, 64, dtype=dtype)[:, :40]
+    w, b = _randn(37, 40, dtype=dtype, seed=1), _randn(37, dtype=dtype, seed=2) if bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    _close_norm(triton_ops.gemv(x, w, b, tiles=tiles), want, dtype)
+
+
+@pytest.mark.parametrize("tiles", GEMV_TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_matches_silu_and_mul_then_linear(tiles, dtype):
+    x, w = _randn(1, 80, dtype=dtype), _randn(37, 40, dtype=dtype, seed=1)
+    # the activation rounds to dtype as in the reference; the product itself is checked in float32
+    want = torch.nn.functional.linear(ref.silu_and_mul(x).float(), w.float())
+    _close_norm(triton_ops.gemv(x, w, gated=True, tiles=tiles), want, dtype)
+
+
+def test_gemv_serves_one_half_precision_row_only():
+    w = torch.empty(8, 16, dtype=torch.bfloat16)
+    assert triton_ops.gemv_fits(torch.empty(1, 16, dtype=torch.bfloat16), w)
+    assert triton_ops.gemv_fits(torch.empty(1, 16, dtype=torch.float16), w.half())
+    assert not triton_ops.gemv_fits(torch.empty(2, 16, dtype=torch.bfloat16), w)
+    assert not triton_ops.gemv_fits(torch.empty(0, 16, dtype=torch.bfloat16), w)
+    assert not triton_ops.gemv_fits(torch.empty(1, 16), w.float())
+    assert not triton_ops.gemv_fits(torch.empty(1, 32, dtype=torch.bfloat16)[:, ::2], w)
+
+
 def test_store_kv_writes_the_given_slots_only():
     T, H, D = 5, 2, 24
     kv = _randn(T, 2 * H * D)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -53,3 +53,14 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
     """Write the new tokens' K/V [T, Hkv, D] into the pool rows `out_loc` [T]."""
     k_cache[out_loc] = k.to(k_cache.dtype)
     v_cache[out_loc] = v.to(v_cache.dtype)
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention input: RMSNorm over each head of q and k, then rotary."""
+    return apply_rotary(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gated MLP's down projection: silu_and_mul(x) W^T (+ b)."""
+    return F.linear(silu_and_mul(x), weight, bias)

@@ -88,5 +88,8 @@ class RowParallelLinear(nn.Module):
             return
         self.weight.data.copy_(loaded.narrow(1, self.tp_rank * self.input_shard, self.input_shard))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is [gate | up] of a gated MLP and the input is silu(gate) * up (kernel.silu_and_mul)."""
+        if gated:
+            return all_reduce(kernel.silu_and_mul_linear(x, self.weight, self.bias))
         return all_reduce(kernel.linear(x, self.weight, self.bias))

@@ -9,7 +9,7 @@ from torch import nn
 
 from minisgl.core import get_global_ctx
 from minisgl.layers import (AttentionLayer, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                            RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+                            RowParallelLinear, VocabParallelEmbedding)
 from minisgl.layers.linear import ColumnParallelLinear
 
 from .config import ModelConfig
@@ -40,9 +40,11 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(get_global_ctx().batch.positions, q, k)
+        positions = get_global_ctx().batch.positions
+        if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, in the rotary kernel
+            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -50,11 +52,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # down(silu(gate) * up): the activation runs inside the down projection's kernel where one exists
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
 
 class LlamaDecoderLayer(nn.Module):
