@@ -51,12 +51,14 @@ def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32, 300])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
+@pytest.mark.parametrize("out_features,in_features", [(200, 96), (16, 37), (5, 8)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_float64(rows, bias):
+def test_linear_matches_float64(rows, out_features, in_features, bias):
     g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
-    b = torch.randn(200, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
     expected = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     torch.testing.assert_close(kernel.linear(x, w, b), expected, atol=1e-4, rtol=1e-5)
 

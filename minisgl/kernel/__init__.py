@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import cpu
 from . import reference as ref
 
 _TRITON_ENABLED = True
@@ -38,27 +39,32 @@ def _on_gpu(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x W^T (+ b). On a CPU in float32, oneDNN with the weight reordered once into its blocked
-    layout: measured 1.2-2.4x faster than MKL's GEMM at the row counts of decode (the 49,152-wide LM head
-    most of all)."""
+    """y = x W^T (+ b). On a CPU in float32 the weight is packed once (kept on the tensor, redone if it
+    is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both are
+    measured faster than MKL's GEMM at decode's row counts (the 49,152-wide LM head most of all)."""
     if x.is_cuda:
         return _gpu_linear(x, weight, bias)
     if x.device.type == "cpu" and x.dtype == torch.float32 and _CPU_PACKED_LINEAR:
         packed = _cpu_packed_weight(weight)
+        if isinstance(packed, tuple):
+            return cpu.linear(x, packed[0], weight.shape[0], bias)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """The oneDNN copy of `weight`, kept on the tensor itself and redone if the weight is written to;
-    None (and F.linear from then on) where this torch build or CPU lacks it."""
+def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor | tuple]:
+    """The packed copy of `weight`: a 1-tuple for the C kernel, else oneDNN's tensor; None (and F.linear
+    from then on) where neither is available."""
     global _CPU_PACKED_LINEAR
     cached = getattr(weight, "_minisgl_packed", None)
     if cached is not None and cached[0] == weight._version:
         return cached[1]
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
+        if cpu.linear_available():
+            packed = (cpu.pack_weight(weight),)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
     except (AttributeError, RuntimeError):
         _CPU_PACKED_LINEAR = False
         return None

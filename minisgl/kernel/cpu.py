@@ -87,12 +87,45 @@ def _load() -> Optional[ctypes.CDLL]:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.decode_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32]
     lib.decode_attention_f32.restype = None
+    if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
+        lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
+        lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
     _lib = lib
     return _lib
 
 
 def available() -> bool:
     return _load() is not None
+
+
+def linear_available() -> bool:
+    lib = _load()
+    return lib is not None and hasattr(lib, "linear_packed_f32")
+
+
+_PANEL = 16  # NR in cpu_kernels.c
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 -> the panel layout linear() reads (N rounded up to 16 rows, zero-filled)."""
+    lib = _load()
+    N, K = weight.shape
+    w = weight.detach().contiguous()
+    packed = torch.empty((N + _PANEL - 1) // _PANEL * _PANEL * K, dtype=torch.float32)
+    lib.pack_weight_f32(w.data_ptr(), packed.data_ptr(), N, K, torch.get_num_threads())
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 times the packed W [n, K], transposed (+ bias): [..., n]."""
+    lib = _load()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x2.shape
+    y = torch.empty(M, n, dtype=torch.float32)
+    bias = bias.contiguous() if bias is not None else None  # kept alive across the call
+    b = bias.data_ptr() if bias is not None else None
+    lib.linear_packed_f32(x2.data_ptr(), packed.data_ptr(), b, y.data_ptr(), M, n, K, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
 
 
 def decode_attention(
