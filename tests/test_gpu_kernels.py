@@ -102,6 +102,24 @@ def test_gemv_matches_float32_linear_at_model_shapes(n, k):
             assert got.shape == (1, n) and rel < 1e-2, f"bias={bias is not None} gated={gated}: {rel:.3g}"
 
 
+@pytest.mark.parametrize("n,k", GEMV_SHAPES)
+def test_gemv_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
+    """The pre-norm projection of one row: h = x + residual exactly, and rms_norm(h) W^T + b."""
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+
+    torch.manual_seed(n + k + 1)
+    w, b, nw = _randn(n, k, scale=k ** -0.5), _randn(n), 1 + 0.1 * _randn(k)
+    x, residual = _randn(1, k), _randn(1, k)
+    for res in (None, residual):
+        y, h = triton_ops.gemv_add_rms_norm(x, res, nw, 1e-6, w, b)
+        want_h = x if res is None else res + x
+        assert torch.equal(h, want_h)
+        want = torch.nn.functional.linear(ref.rms_norm(want_h, nw, 1e-6).float(), w.float(), b.float())
+        rel = ((y.float() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, f"residual={res is not None}: {rel:.3g}"
+
+
 def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     from minisgl.kernel import reference as ref
     from minisgl.kernel import triton_ops

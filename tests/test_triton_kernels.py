@@ -131,6 +131,22 @@ def test_gated_gemv_matches_silu_and_mul_then_linear(tiles, dtype):
     _close_norm(triton_ops.gemv(x, w, gated=True, tiles=tiles), want, dtype)
 
 
+@pytest.mark.parametrize("tiles", GEMV_TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_add_rms_norm_matches_norm_then_linear(tiles, dtype, with_residual):
+    """h = x + residual and rms_norm(h) W^T + b in one launch (h is exact on a GPU: test_gpu_kernels)."""
+    x = _randn(1, 40, dtype=dtype)
+    residual = _randn(1, 40, dtype=dtype, seed=1) if with_residual else None
+    nw, w, b = _randn(40, dtype=dtype, seed=2), _randn(37, 40, dtype=dtype, seed=3), _randn(37, dtype=dtype, seed=4)
+    y, h = triton_ops.gemv_add_rms_norm(x, residual, nw, 1e-6, w, b, tiles=tiles)
+    want_h = x if residual is None else residual + x
+    _close(h, want_h, dtype)  # the interpreter's float32 -> bf16 cast may round differently from torch's
+    # the normalised input rounds to dtype as in the reference; the product itself is checked in float32
+    normed = ref.rms_norm(want_h, nw, 1e-6)
+    _close_norm(y, torch.nn.functional.linear(normed.float(), w.float(), b.float()), dtype)
+
+
 def test_gemv_serves_one_half_precision_row_only():
     w = torch.empty(8, 16, dtype=torch.bfloat16)
     assert triton_ops.gemv_fits(torch.empty(1, 16, dtype=torch.bfloat16), w)

@@ -64,3 +64,10 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gated MLP's down projection: silu_and_mul(x) W^T (+ b)."""
     return F.linear(silu_and_mul(x), weight, bias)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm projection: h = x + residual (x when residual is None); returns (rms_norm(h) W^T + b, h)."""
+    h = x if residual is None else residual + x
+    return F.linear(rms_norm(h, norm_weight, eps), weight, bias), h

@@ -221,20 +221,48 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
 
 # ---- GEMV (decode at batch size 1) ---------------------------------------------------------------------
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr, GATED: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD: tl.constexpr):
+    """A K block of the input row: x, or x + residual rounded once to x's dtype (as torch adds them)."""
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + offs_k, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
+                 GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[n block] = W[n block] x for one row x; each program streams BLOCK_N rows of W once, keeps the
-    products per lane and reduces once at the end. K is a constexpr so the K loop unrolls and all its loads
-    issue early. GATED: x is [gate | up] (2K wide) and the input is silu(gate) * up, as silu_and_mul."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    products per lane and reduces once at the end. K is a constexpr so the K loops unroll and all their
+    loads issue early. GATED: x is [gate | up] (2K wide) and the input is silu(gate) * up, as silu_and_mul.
+    NORM: the input is rms_norm(h, nw) with h = x (+ residual if ADD), as reference.(fused_add_)rms_norm;
+    every program normalises the row itself; with ADD, program 0 stores h (a new tensor: none reads it)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if NORM:
+        sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            h = _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD)
+            if ADD:  # noqa: SIM102 (a constexpr branch around a run-time one)
+                if pid == 0:
+                    tl.store(h_ptr + offs_k, h, mask=k_mask)
+            sumsq += h.to(tl.float32) * h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        x = _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD)
+        if NORM:  # rounded where reference.rms_norm rounds: the normalised row, then the weight product
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+            x = (nw.to(tl.float32) * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
         if GATED:
             x = _silu_mul(x, tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0))
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -246,27 +274,45 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr, GATE
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv() serves y = x W^T: one row of half-precision activations against a row-major W.
-    Measured on an H200 at Qwen3-0.6B shapes (graphs of back-to-back calls, weights not in L2): 1.2-3.9x
+    Measured on an H200 at Qwen3-0.6B shapes (graphs of back-to-back calls, weights not in L2): 1.1-4x
     faster than cuBLAS at one row; from two rows on cuBLAS was as fast or faster than any tile tried."""
     return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
-def _gemv_tiles(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K), tuned on an H200: whole 1024-wide K blocks, and narrow row blocks where N is
-    small so that 500+ programs keep enough loads in flight."""
-    return (2 if n <= 2048 else 8), min(1024, triton.next_power_of_2(k))
+def _gemv_tiles(n: int, k: int, norm: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K), tuned on an H200: whole 1024-wide K blocks and two rows of W a program (many
+    programs keep many loads in flight); eight rows when every program also normalises the input row."""
+    return (8 if norm else 2), min(1024, triton.next_power_of_2(k))
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+          norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None,
+          tiles: tuple[int, int] | None) -> torch.Tensor:
+    n, k = weight.shape
+    assert x.shape == (1, 2 * k if gated else k) and x.stride(-1) == 1 and weight.stride(-1) == 1
+    block_n, block_k = tiles or _gemv_tiles(n, k, norm is not None)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    norm_weight, eps, residual, h = norm or (weight, 0.0, None, weight)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, h, norm_weight, eps, weight, bias if bias is not None else weight,
+        y, n, weight.stride(0), K=k, GATED=gated, NORM=norm is not None, ADD=residual is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
          tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for one row x [1, K] and W [N, K]; gated: x is [1, 2K] = [gate | up] and
     y = silu_and_mul(x) W^T. Bandwidth-bound: W is read once. `tiles` overrides (BLOCK_N, BLOCK_K)."""
-    n, k = weight.shape
-    assert x.shape == (1, 2 * k if gated else k) and x.stride(-1) == 1 and weight.stride(-1) == 1
-    block_n, block_k = tiles or _gemv_tiles(n, k)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, weight.stride(0),
-                                             K=k, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, num_warps=4)
-    return y
+    return _gemv(x, weight, bias, gated, None, tiles)
+
+
+def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      tiles: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm projection of one row in one launch: h = x + residual (x if residual is None);
+    returns (rms_norm(h) W^T (+ b), h), as reference.add_rms_norm_linear."""
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    h = torch.empty_like(x) if residual is not None else x
+    return _gemv(x, weight, bias, False, (norm_weight, eps, residual, h), tiles), h

@@ -4,7 +4,7 @@ layer runs two large GEMMs instead of five."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -48,6 +48,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel.linear(x, self.weight, self.bias)
+
+    def forward_prenorm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The projection of a pre-norm block: h = x + residual (x when None), returns (self(norm(h)), h);
+        the add and the RMSNorm run inside the projection's kernel at decode batch size 1."""
+        return kernel.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -34,9 +34,11 @@ class LlamaAttention(nn.Module):
                                       cfg.rope_scaling)
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+        """attention(norm(x + residual)) and the new residual x + residual (x on the first layer)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, residual = self.qkv_proj.forward_prenorm(x, residual, norm)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -45,7 +47,7 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -54,9 +56,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
+        """mlp(norm(x + residual)) and the new residual x + residual."""
+        gate_up, residual = self.gate_up_proj.forward_prenorm(x, residual, norm)
         # down(silu(gate) * up): the activation runs inside the down projection's kernel where one exists
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        return self.down_proj(gate_up, gated=True), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,13 +77,11 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """A pre-norm block on the stream x + residual (x alone on the first layer): adds attention, then
+        the MLP. Each residual add and RMSNorm runs in the projection that follows it (forward_prenorm),
+        so the block's output is (mlp output, residual) with the add still pending."""
+        x, residual = self.self_attn(x, residual, self.input_layernorm)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
