@@ -1,5 +1,5 @@
-"""The C kernels of minisgl.kernel.cpu equal a plain torch computation, and the oneDNN linear equals
-x @ W^T in float64; the cpu attention backend equals the torch backend inside the engine."""
+"""The C kernels of minisgl.kernel.cpu equal an independent torch computation: attention against a float64
+loop, the packed linear against float64, the elementwise kernels against kernel/reference.py."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from minisgl import kernel
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel import reference as ref
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
 
@@ -70,3 +71,61 @@ def test_linear_follows_weight_updates():
     kernel.linear(x, w)
     w.mul_(2)
     torch.testing.assert_close(kernel.linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+# ---- elementwise kernels, against kernel/reference.py -------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (5, 37), (33, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(rows, hidden, with_residual):
+    g = torch.Generator().manual_seed(rows * hidden)
+    wide = torch.randn(rows, hidden + 5, generator=g) * 3
+    x = wide[:, :hidden]  # rows with a stride, as a slice of a wider projection
+    weight = torch.randn(hidden, generator=g)
+    if with_residual:
+        residual = torch.randn(rows, hidden, generator=g)
+        out, new_residual = cpu_kernels.rms_norm(x, weight, 1e-5, residual)
+        expected, expected_residual = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+        torch.testing.assert_close(new_residual, expected_residual)
+    else:
+        out, expected = cpu_kernels.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,inter", [(1, 3), (4, 13), (32, 1536)])
+def test_silu_and_mul_matches_reference(rows, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(rows, 2 * inter, generator=g) * 8
+    x[0, 0], x[-1, inter - 1] = 120.0, -120.0  # far tails of the exponential
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), ref.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim,rot", [(16, 16), (64, 64), (24, 12)])
+def test_rotary_matches_reference(head_dim, rot):
+    g = torch.Generator().manual_seed(head_dim + rot)
+    T, hq, hk = 6, 4, 2
+    qkv = torch.randn(T, (hq + 2 * hk) * head_dim, generator=g)
+    q = qkv[:, : hq * head_dim].view(T, hq, head_dim)  # views into the merged projection, as in the model
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(T, hk, head_dim)
+    positions = torch.tensor([0, 1, 7, 100, 3, 3])
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.arange(128).float()[:, None] * inv[None, :]
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    expected_q, expected_k = ref.apply_rotary(q.clone(), k.clone(), positions, cache)
+    out_q, out_k = cpu_kernels.apply_rotary(q, k, positions, cache)
+    torch.testing.assert_close(out_q, expected_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_k, expected_k, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_store_kv_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(5, 2 * 3 * 8, generator=g)
+    k, v = kv[:, :24].view(5, 3, 8), kv[:, 24:].view(5, 3, 8)
+    loc = torch.tensor([9, 0, 4, 17, 2])
+    caches = [torch.zeros(20, 3, 8) for _ in range(4)]
+    cpu_kernels.store_kv(caches[0], caches[1], loc, k, v)
+    ref.store_kv(caches[2], caches[3], loc, k, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

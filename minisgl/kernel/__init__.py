@@ -89,22 +89,9 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return linear(silu_and_mul(x), weight, bias)
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm projection: h = x + residual (x when residual is None); returns (linear(rms_norm(h)), h).
-    One kernel at GPU decode sizes; elsewhere the (fused) norm, then linear."""
-    ops = _triton_ops() if _on_gpu(x) else None
-    if (ops is not None and ops.gemv_fits(x, weight) and x.is_contiguous()
-            and (residual is None or residual.is_contiguous())):
-        return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
-    if residual is None:
-        normed, h = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, h = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), h
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 2 and cpu.elementwise_ok(x, weight):
+        return cpu.rms_norm(x, weight, eps)
     ops = _triton_ops() if _on_gpu(x) else None
     if ops is not None and hasattr(ops, "rms_norm"):
         return ops.rms_norm(x, weight, eps)
@@ -113,6 +100,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 2 and cpu.elementwise_ok(x, residual, weight):
+        return cpu.rms_norm(x, weight, eps, residual)
     ops = _triton_ops() if _on_gpu(x) else None
     if ops is not None and hasattr(ops, "fused_add_rms_norm"):
         return ops.fused_add_rms_norm(x, residual, weight, eps)
@@ -120,6 +109,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and cpu.elementwise_ok(x):
+        return cpu.silu_and_mul(x)
     ops = _triton_ops() if _on_gpu(x) else None
     if ops is not None and hasattr(ops, "silu_and_mul"):
         return ops.silu_and_mul(x)
@@ -128,6 +119,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    if cpu.elementwise_ok(q, k, cos_sin_cache) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+        return cpu.apply_rotary(q, k, positions, cos_sin_cache)  # in place
     ops = _triton_ops() if _on_gpu(q) else None
     if ops is not None and hasattr(ops, "apply_rotary"):
         return ops.apply_rotary(q, k, positions, cos_sin_cache)
@@ -145,6 +138,8 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
+    if cpu.elementwise_ok(k_cache, v_cache, k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
+        return cpu.store_kv(k_cache, v_cache, out_loc, k, v)
     ops = _triton_ops() if _on_gpu(k) else None
     if ops is not None and hasattr(ops, "store_kv"):
         return ops.store_kv(k_cache, v_cache, out_loc, k, v)

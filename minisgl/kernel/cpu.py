@@ -87,6 +87,10 @@ def _load() -> Optional[ctypes.CDLL]:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.decode_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32]
     lib.decode_attention_f32.restype = None
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
+    lib.rotary_neox_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
+    lib.store_kv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
         lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
@@ -167,3 +171,79 @@ def decode_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def elementwise_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the C elementwise kernels take these: float32 CPU tensors with unit stride in the last dim."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors
+    ) and (available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm(x) * w for x [M, H]; with a residual, (rms_norm(x + residual) * w, x + residual)."""
+    M, H = x.shape
+    out = torch.empty(M, H, dtype=torch.float32)
+    res_out = torch.empty(M, H, dtype=torch.float32) if residual is not None else None
+    if residual is not None:
+        residual = residual.contiguous()
+    _load().rms_norm_f32(
+        x.data_ptr(),
+        x.stride(0),
+        residual.data_ptr() if residual is not None else None,
+        res_out.data_ptr() if res_out is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        M,
+        H,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out if residual is None else (out, res_out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2I] = [gate | up] -> silu(gate) * up [M, I]."""
+    M, I2 = x.shape
+    out = torch.empty(M, I2 // 2, dtype=torch.float32)
+    _load().silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, I2 // 2, torch.get_num_threads())
+    return out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Neox rotary in place on q [T, Hq, D] and k [T, Hk, D] (heads contiguous); returns (q, k)."""
+    T, Hq, D = q.shape
+    assert q.stride(1) == D and k.stride(1) == D and cos_sin_cache.is_contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    _load().rotary_neox_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        T,
+        Hq,
+        k.shape[1],
+        D,
+        cos_sin_cache.shape[1],
+    )
+    return q, k
+
+
+def store_kv(k_cache, v_cache, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache[out_loc] = k, v_cache[out_loc] = v, for k/v [T, Hkv, D] with contiguous rows."""
+    T, H, D = k.shape
+    assert k.stride(1) == D and v.stride(1) == D and k_cache.is_contiguous() and v_cache.is_contiguous()
+    loc = out_loc.to(torch.int64).contiguous()
+    _load().store_kv_f32(
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        loc.data_ptr(),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        T,
+        H * D,
+    )

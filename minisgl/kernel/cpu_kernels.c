@@ -6,11 +6,15 @@
  * (request, KV head): it reads every K/V row of that head once, for all the query heads of its GQA group,
  * with an online softmax over chunks of positions.
  *
- * pack_weight_f32 / linear_packed_f32 (AVX2 builds only): y = x W^T (+ b) for float32, W packed once. */
+ * pack_weight_f32 / linear_packed_f32 (AVX2 builds only): y = x W^T (+ b) for float32, W packed once.
+ *
+ * rms_norm_f32, silu_and_mul_f32, rotary_neox_f32, store_kv_f32: the per-layer elementwise steps, one call
+ * each instead of 5-20 small torch ops (at decode's batch sizes their dispatch cost exceeds their work). */
 
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define CHUNK 32
 
@@ -81,9 +85,9 @@ static inline __m256 hsum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
 }
 
-/* e^x for the x <= 0 of a softmax: x = n ln2 + r, e^x = 2^n p(r), p the Cephes expf polynomial (~1 ulp). */
+/* e^x, x clamped to [-87, 88]: x = n ln2 + r, e^x = 2^n p(r), p the Cephes expf polynomial (~1 ulp). */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -287,5 +291,78 @@ void decode_attention_f32(const float *q, const float *k, const float *v, const 
             attend_group(q + q_off, k + (int64_t)h * D, v + (int64_t)h * D, slot_stride,
                          page_table + rows[b] * table_stride, lens[b], G, D, scale, out + q_off);
         }
+    }
+}
+
+/* ---- elementwise ---------------------------------------------------------------------------------------- */
+
+/* out = x' / rms(x') * w with x' = x (+ residual); with a residual, x' is also written to residual_out.
+ * Row strides are in floats. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, float *residual_out, const float *w,
+                  float *out, int64_t M, int64_t H, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H > 16384)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * x_stride;
+        float *o = out + m * H, sum = 0.0f;
+        if (residual) {
+            float *r = residual_out + m * H;
+            for (int64_t i = 0; i < H; i++) {
+                r[i] = xr[i] + residual[m * H + i];
+                sum += r[i] * r[i];
+            }
+            xr = r;
+        } else {
+            for (int64_t i = 0; i < H; i++) sum += xr[i] * xr[i];
+        }
+        float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+static inline float silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* x = [gate | up] per row (row stride x_stride) -> out [M, I] = silu(gate) * up. */
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t M, int64_t I, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I > 16384)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = x + m * x_stride, *u = g + I;
+        float *o = out + m * I;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(zero, gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = silu_mul1(g[i], u[i]);
+    }
+}
+
+/* Neox-style rotary, in place, on the first `rot` dims of every head of q [T, Hq, D] and k [T, Hk, D] (token
+ * strides in floats, heads contiguous); cos_sin [max_pos, rot] holds cos then sin for the rot/2 frequencies. */
+void rotary_neox_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
+                     const float *cos_sin, int64_t T, int Hq, int Hk, int D, int rot) {
+    int half = rot / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cos_sin + positions[t] * rot, *sn = cs + half;
+        for (int h = 0; h < Hq + Hk; h++) {
+            float *x = h < Hq ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - Hq) * D;
+            for (int i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * cs[i] - x2 * sn[i];
+                x[i + half] = x2 * cs[i] + x1 * sn[i];
+            }
+        }
+    }
+}
+
+/* k_cache[loc[t]] = k[t], v_cache[loc[t]] = v[t]; a row is `row` floats, k/v token strides in floats. */
+void store_kv_f32(float *k_cache, float *v_cache, const int64_t *loc, const float *k, int64_t k_stride,
+                  const float *v, int64_t v_stride, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + loc[t] * row, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + loc[t] * row, v + t * v_stride, row * sizeof(float));
     }
 }
