@@ -89,6 +89,21 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return linear(silu_and_mul(x), weight, bias)
 
 
+def add_rms_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm projection: h = x + residual (x when residual is None); returns (linear(rms_norm(h)), h).
+    One kernel at GPU decode sizes; elsewhere the (fused) norm, then linear."""
+    ops = _triton_ops() if _on_gpu(x) else None
+    if (ops is not None and ops.gemv_fits(x, weight) and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())):
+        return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        normed, h = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, h = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), h
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and cpu.elementwise_ok(x, weight):
         return cpu.rms_norm(x, weight, eps)
