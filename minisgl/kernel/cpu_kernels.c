@@ -193,6 +193,7 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
 #define NR 16
 #define MR 6
 #define MB 96
+#define KC 192
 
 /* ---- linear: y = x W^T (+ b) ----------------------------------------------------------------------------
  * W is packed once into panels of NR=16 rows stored k-major ([K][16]), so the inner loop reads 16 outputs'
@@ -217,13 +218,14 @@ void pack_weight_f32(const float *w, float *wp, int64_t N, int64_t K, int num_th
 
 /* y[0..mr) x [0..nr) = x rows (6, the missing ones repeat the last) times one panel: 12 accumulators. */
 static void micro_6x16(const float *x, int64_t ldx, int mr, const float *wp, int64_t K, float *y, int64_t ldy,
-                       int nr, const float *bias) {
+                       int nr, const float *bias, const float *next, int accumulate) {
     const float *x0 = x, *x1 = x + (mr > 1 ? 1 : 0) * ldx, *x2 = x + (mr > 2 ? 2 : mr - 1) * ldx;
     const float *x3 = x + (mr > 3 ? 3 : mr - 1) * ldx, *x4 = x + (mr > 4 ? 4 : mr - 1) * ldx;
     const float *x5 = x + (mr > 5 ? 5 : mr - 1) * ldx;
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
            b4 = a0, a5 = a0, b5 = a0;
     for (int64_t k = 0; k < K; k++) {
+        if (next) _mm_prefetch((const char *)(next + k * NR), _MM_HINT_T1);  // one line of the next panel per k
         __m256 w0 = _mm256_loadu_ps(wp + k * NR), w1 = _mm256_loadu_ps(wp + k * NR + 8), xb;
         xb = _mm256_broadcast_ss(x0 + k); a0 = _mm256_fmadd_ps(xb, w0, a0); b0 = _mm256_fmadd_ps(xb, w1, b0);
         xb = _mm256_broadcast_ss(x1 + k); a1 = _mm256_fmadd_ps(xb, w0, a1); b1 = _mm256_fmadd_ps(xb, w1, b1);
@@ -240,7 +242,7 @@ static void micro_6x16(const float *x, int64_t ldx, int mr, const float *wp, int
     _mm256_storeu_ps(out[4], a4); _mm256_storeu_ps(out[4] + 8, b4);
     _mm256_storeu_ps(out[5], a5); _mm256_storeu_ps(out[5] + 8, b5);
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = out[i][j] + (bias ? bias[j] : 0.0f);
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = out[i][j] + (accumulate ? y[i * ldy + j] : bias ? bias[j] : 0.0f);
 }
 
 void linear_packed_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t N,
@@ -252,9 +254,14 @@ void linear_packed_f32(const float *x, const float *wp, const float *bias, float
         for (int64_t p = 0; p < panels; p++) {
             int nr = (int)(N - p * NR < NR ? N - p * NR : NR);
             const float *b = bias ? bias + p * NR : 0;
-            for (int64_t m = m0; m < mend; m += MR) {
-                int mr = (int)(mend - m < MR ? mend - m : MR);
-                micro_6x16(x + m * K, K, mr, wp + p * K * NR, K, y + m * N + p * NR, N, nr, b);
+            const float *panel = wp + p * K * NR, *next = p + 1 < panels ? panel + K * NR : 0;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {  // a KC-deep slice of the panel stays in L1 across rows
+                int64_t kc = K - k0 < KC ? K - k0 : KC;
+                for (int64_t m = m0; m < mend; m += MR) {
+                    int mr = (int)(mend - m < MR ? mend - m : MR);
+                    micro_6x16(x + m * K + k0, K, mr, panel + k0 * NR, kc, y + m * N + p * NR, N, nr, b,
+                               m == m0 && next ? next + k0 * NR : 0, k0 > 0);
+                }
             }
         }
     }
