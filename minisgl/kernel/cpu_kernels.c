@@ -216,34 +216,44 @@ void pack_weight_f32(const float *w, float *wp, int64_t N, int64_t K, int num_th
     }
 }
 
-/* y[0..mr) x [0..nr) = x rows (6, the missing ones repeat the last) times one panel: 12 accumulators. */
-static void micro_6x16(const float *x, int64_t ldx, int mr, const float *wp, int64_t K, float *y, int64_t ldy,
-                       int nr, const float *bias, const float *next, int accumulate) {
-    const float *x0 = x, *x1 = x + (mr > 1 ? 1 : 0) * ldx, *x2 = x + (mr > 2 ? 2 : mr - 1) * ldx;
-    const float *x3 = x + (mr > 3 ? 3 : mr - 1) * ldx, *x4 = x + (mr > 4 ? 4 : mr - 1) * ldx;
-    const float *x5 = x + (mr > 5 ? 5 : mr - 1) * ldx;
-    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
-           b4 = a0, a5 = a0, b5 = a0;
+/* y[0..R) x [0..nr) (+)= R rows of x times one panel slice: 2R accumulators, R a compile-time constant
+ * (1..6) so they stay in registers. */
+static inline __attribute__((always_inline)) void micro_rows(const int R, const float *x, int64_t ldx,
+                                                             const float *wp, int64_t K, float *y, int64_t ldy,
+                                                             int nr, const float *bias, const float *next,
+                                                             int accumulate) {
+    __m256 a[6], b[6];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) a[i] = b[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         if (next) _mm_prefetch((const char *)(next + k * NR), _MM_HINT_T1);  // one line of the next panel per k
-        __m256 w0 = _mm256_loadu_ps(wp + k * NR), w1 = _mm256_loadu_ps(wp + k * NR + 8), xb;
-        xb = _mm256_broadcast_ss(x0 + k); a0 = _mm256_fmadd_ps(xb, w0, a0); b0 = _mm256_fmadd_ps(xb, w1, b0);
-        xb = _mm256_broadcast_ss(x1 + k); a1 = _mm256_fmadd_ps(xb, w0, a1); b1 = _mm256_fmadd_ps(xb, w1, b1);
-        xb = _mm256_broadcast_ss(x2 + k); a2 = _mm256_fmadd_ps(xb, w0, a2); b2 = _mm256_fmadd_ps(xb, w1, b2);
-        xb = _mm256_broadcast_ss(x3 + k); a3 = _mm256_fmadd_ps(xb, w0, a3); b3 = _mm256_fmadd_ps(xb, w1, b3);
-        xb = _mm256_broadcast_ss(x4 + k); a4 = _mm256_fmadd_ps(xb, w0, a4); b4 = _mm256_fmadd_ps(xb, w1, b4);
-        xb = _mm256_broadcast_ss(x5 + k); a5 = _mm256_fmadd_ps(xb, w0, a5); b5 = _mm256_fmadd_ps(xb, w1, b5);
+        __m256 w0 = _mm256_loadu_ps(wp + k * NR), w1 = _mm256_loadu_ps(wp + k * NR + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+            a[i] = _mm256_fmadd_ps(xb, w0, a[i]);
+            b[i] = _mm256_fmadd_ps(xb, w1, b[i]);
+        }
     }
-    float out[6][NR];
-    _mm256_storeu_ps(out[0], a0); _mm256_storeu_ps(out[0] + 8, b0);
-    _mm256_storeu_ps(out[1], a1); _mm256_storeu_ps(out[1] + 8, b1);
-    _mm256_storeu_ps(out[2], a2); _mm256_storeu_ps(out[2] + 8, b2);
-    _mm256_storeu_ps(out[3], a3); _mm256_storeu_ps(out[3] + 8, b3);
-    _mm256_storeu_ps(out[4], a4); _mm256_storeu_ps(out[4] + 8, b4);
-    _mm256_storeu_ps(out[5], a5); _mm256_storeu_ps(out[5] + 8, b5);
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = out[i][j] + (accumulate ? y[i * ldy + j] : bias ? bias[j] : 0.0f);
+    float out[NR];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(out, a[i]);
+        _mm256_storeu_ps(out + 8, b[i]);
+        float *yr = y + i * ldy;
+        for (int j = 0; j < nr; j++) yr[j] = out[j] + (accumulate ? yr[j] : bias ? bias[j] : 0.0f);
+    }
 }
+
+#define MICRO(R)                                                                                            \
+    static void micro_##R(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,    \
+                          int nr, const float *bias, const float *next, int accumulate) {                    \
+        micro_rows(R, x, ldx, wp, K, y, ldy, nr, bias, next, accumulate);                                   \
+    }
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, const float *,
+                         const float *, int);
+static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
 
 void linear_packed_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t N,
                        int64_t K, int num_threads) {
@@ -259,7 +269,7 @@ void linear_packed_f32(const float *x, const float *wp, const float *bias, float
                 int64_t kc = K - k0 < KC ? K - k0 : KC;
                 for (int64_t m = m0; m < mend; m += MR) {
                     int mr = (int)(mend - m < MR ? mend - m : MR);
-                    micro_6x16(x + m * K + k0, K, mr, panel + k0 * NR, kc, y + m * N + p * NR, N, nr, b,
+                    MICROS[mr](x + m * K + k0, K, panel + k0 * NR, kc, y + m * N + p * NR, N, nr, b,
                                m == m0 && next ? next + k0 * NR : 0, k0 > 0);
                 }
             }
