@@ -1,7 +1,7 @@
 """Every supported architecture equals Hugging Face's greedy output token for token in float32.
 
 For each tiny random model (GQA, head_dim != hidden / heads where allowed, tied and untied embeddings,
-attention bias, llama3 rope scaling) and page sizes 1 and 4: four prompts of different lengths generated
+attention bias, llama3 rope scaling), page sizes 1 and 4 and the torch and cpu attention backends: four prompts of different lengths generated
 together equal Hugging Face; each prompt alone equals the batched result; every KV slot is free afterwards.
 """
 
@@ -19,6 +19,7 @@ from conftest import (
 )
 
 from minisgl.core import SamplingParams
+from minisgl.kernel import cpu as cpu_kernels
 
 PROMPT_LENS = [5, 17, 33, 60]
 # Different lengths: shorter requests leave the batch while the others keep decoding.
@@ -34,12 +35,18 @@ def params_for():
     return [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
 
 
+# the reference torch backend and, where its C kernel builds, the cpu backend (the default on CPUs)
+ATTNS = ["torch", "cpu"] if cpu_kernels.available() else ["torch"]
+
+
 @pytest.fixture(
-    scope="module", params=[(a, ps) for a in ARCH_NAMES for ps in (1, 4)], ids=lambda p: f"{p[0]}-page{p[1]}"
+    scope="module",
+    params=[(a, ps, attn) for a in ARCH_NAMES for ps in (1, 4) for attn in ATTNS],
+    ids=lambda p: f"{p[0]}-page{p[1]}-{p[2]}",
 )
 def arch_llm(request, tiny_model_dirs):
-    arch, page_size = request.param
-    with make_llm(tiny_model_dirs[arch], **tiny_llm_kwargs(page_size=page_size)) as llm:
+    arch, page_size, attn = request.param
+    with make_llm(tiny_model_dirs[arch], **tiny_llm_kwargs(page_size=page_size, attn=attn)) as llm:
         yield arch, llm
 
 
