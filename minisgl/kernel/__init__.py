@@ -46,15 +46,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return _gpu_linear(x, weight, bias)
     if x.device.type == "cpu" and x.dtype == torch.float32 and _CPU_PACKED_LINEAR:
         packed = _cpu_packed_weight(weight)
-        if isinstance(packed, tuple):
-            return cpu.linear(x, packed[0], weight.shape[0], bias)
+        if packed is not None and cpu.linear_available():
+            return cpu.linear(x, packed, weight.shape[0], bias)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor | tuple]:
-    """The packed copy of `weight`: a 1-tuple for the C kernel, else oneDNN's tensor; None (and F.linear
+def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The packed copy of `weight`: for the C kernel where it is built, else oneDNN's; None (and F.linear
     from then on) where neither is available."""
     global _CPU_PACKED_LINEAR
     cached = getattr(weight, "_minisgl_packed", None)
@@ -62,7 +62,7 @@ def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor | tuple]:
         return cached[1]
     try:
         if cpu.linear_available():
-            packed = (cpu.pack_weight(weight),)
+            packed = cpu.pack_weight(weight)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
     except (AttributeError, RuntimeError):

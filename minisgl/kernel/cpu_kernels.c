@@ -18,15 +18,28 @@
 
 #define CHUNK 32
 
-/* Portable version: any G and D. */
-static void attend_group_scalar(const float *q, const float *k, const float *v, int64_t slot_stride,
-                         const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
-    float m[G], l[G], acc[G * D], s[G * CHUNK];
+/* The online-softmax state of one (request, KV head): running max m and sum l per query head, and the
+ * unnormalised output acc [G, D]. */
+static void online_softmax_init(float *m, float *l, float *acc, int G, int D) {
     for (int g = 0; g < G; g++) {
         m[g] = -FLT_MAX;
         l[g] = 0.0f;
     }
     for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+}
+
+static void online_softmax_finish(const float *acc, const float *l, int G, int D, float *out) {
+    for (int g = 0; g < G; g++) {
+        float inv = 1.0f / l[g];
+        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+/* Portable version: any G and D. */
+static void attend_group_scalar(const float *q, const float *k, const float *v, int64_t slot_stride,
+                         const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
+    float m[G], l[G], acc[G * D], s[G * CHUNK];
+    online_softmax_init(m, l, acc, G, D);
 
     for (int64_t start = 0; start < len; start += CHUNK) {
         int n = (int)(len - start < CHUNK ? len - start : CHUNK);
@@ -60,10 +73,7 @@ static void attend_group_scalar(const float *q, const float *k, const float *v, 
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float inv = 1.0f / l[g];
-        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
-    }
+    online_softmax_finish(acc, l, G, D, out);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -109,11 +119,7 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
                               const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
     float m[G], l[G], corr[G], acc[G * D];
     float s[G * CHUNK] __attribute__((aligned(32)));
-    for (int g = 0; g < G; g++) {
-        m[g] = -FLT_MAX;
-        l[g] = 0.0f;
-    }
-    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+    online_softmax_init(m, l, acc, G, D);
 
     for (int64_t start = 0; start < len; start += CHUNK) {
         int n = (int)(len - start < CHUNK ? len - start : CHUNK);
@@ -185,10 +191,7 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float inv = 1.0f / l[g];
-        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
-    }
+    online_softmax_finish(acc, l, G, D, out);
 }
 #define NR 16
 #define MR 6
