@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -110,12 +110,16 @@ class Batch:
     extend_lens: List[int]
     sample_mask: List[bool]
     # device tensors, filled by the scheduler's batch preparation
-    input_ids: Optional[torch.Tensor] = None  # [num_tokens]
+    input_ids: Optional[torch.Tensor] = None  # [num_tokens] (decode: read from the token pool by the engine)
     positions: Optional[torch.Tensor] = None  # [num_tokens]
     out_loc: Optional[torch.Tensor] = None  # [num_tokens] KV slot each new token writes
     table_idx: Optional[torch.Tensor] = None  # [batch] page-table rows
     seq_lens_t: Optional[torch.Tensor] = None  # [batch] prefix + extend, on the device
     attn_metadata: Any = None  # owned by the attention backend
+    # (rows, positions, slots): page-table entries the engine writes before the forward; decode's are
+    # (table_idx, positions, out_loc), and its input ids are read from the token pool by the engine
+    pt_writes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    graph_inputs: Optional[torch.Tensor] = None  # decode: [4, batch] rows positions, out_loc, table_idx, seq_lens
     # sampling: which flat rows give logits, and where each sampled token goes in the token pool
     logits_idx: Optional[torch.Tensor] = None  # [num_sampled] (None in decode: every row samples)
     sample_table_idx: Optional[torch.Tensor] = None  # [num_sampled]

@@ -30,6 +30,12 @@ class Env:
         return _flag("MINISGL_CPU_KERNELS", default=True)
 
     @property
+    def pdl(self) -> bool:
+        """Launch the decode-path Triton kernels with programmatic dependent launch on Hopper and newer
+        GPUs (MINISGL_PDL=0 launches them plainly)."""
+        return _flag("MINISGL_PDL", default=True)
+
+    @property
     def check_integrity(self) -> bool:
         """Fail (not just log) when the idle-time KV integrity check finds a leak; tests set it."""
         return _flag("MINISGL_STRICT_INTEGRITY")

@@ -4,7 +4,8 @@ cached prefix, both reading K/V through the per-token page table (so any page si
 Decode runs in two stages. Stage 1 has one program per (request, KV head, split): it loads the query heads
 of that KV head's GQA group together, so each K/V row is read once, and it writes a partial output plus
 the split's log-sum-exp. Stage 2 merges the splits of each (request, query head). The number of splits is
-chosen so the first stage fills the GPU several times over even at batch size 1.
+chosen so the first stage fills the GPU several times over even at batch size 1; with one split (large
+batches) stage 1 writes the output itself and stage 2 is skipped.
 
 Prefill/extend is one flash-attention launch over the new tokens of every request: a program owns a tile
 of one request's new queries for one query head, streams the keys 0..prefix+i through the page table with
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import triton_ops
+from minisgl.kernel.triton_ops import gdc_begin
 
 from .base import AttnConfig, BaseAttnBackend
 
@@ -41,10 +43,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
                          mid_o_ptr, mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt,
                          stride_vh, stride_pt, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                          scale_log2, GROUP, D, NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
     keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
-    nothing (the merge reads only the splits that hold keys)."""
+    nothing (the merge reads only the splits that hold keys). DIRECT (one split): the output itself goes
+    to mid_o_ptr, in its dtype, and there is no merge."""
+    gdc_begin(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -86,11 +91,12 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
-    lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
     out = acc / l_i[:, None]
     mid = mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dims[None, :]
-    tl.store(mid, out, mask=head_mask[:, None] & dim_mask[None, :])
-    tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+    tl.store(mid, out.to(mid_o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+    if not DIRECT:
+        lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
+        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
 @triton.jit
@@ -102,9 +108,10 @@ def _split_len(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, stride_mb, stride_mh, stride_ms,
                          stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_N: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over
     the splits that hold keys (stage 1 wrote nothing for the others)."""
+    gdc_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -156,9 +163,10 @@ def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr, q_start_ptr,
                    prefix_ptr, extend_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_pt, scale_log2, GROUP, D, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, query head, query tile): new query i of b sits at position prefix + i and sees
     keys 0..prefix + i, all read from the pool (store_kv has written the new ones already)."""
+    gdc_begin(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     m_start = tl.program_id(2) * BLOCK_M
@@ -205,8 +213,8 @@ class TritonDecodeMetadata:
     table_idx: torch.Tensor  # [B] page-table row of each request
     seq_lens: torch.Tensor  # [B] keys of each request, the new token included
     num_splits: int
-    mid_o: torch.Tensor  # [B, Hq, num_splits, D] float32: each split's normalised partial output
-    mid_lse: torch.Tensor  # [B, Hq, num_splits] float32: each split's log2-sum-exp
+    mid_o: torch.Tensor | None  # [B, Hq, num_splits, D] float32: each split's normalised partial output
+    mid_lse: torch.Tensor | None  # [B, Hq, num_splits] float32: each split's log2-sum-exp (None: 1 split)
 
 
 @dataclass
@@ -258,8 +266,10 @@ class TritonAttnBackend(BaseAttnBackend):
         if batch.is_decode:
             bs = batch.size
             splits = self.num_splits(bs, max(batch.seq_lens))  # host list: no device sync
-            mid_o = torch.empty((bs, cfg.num_heads, splits, cfg.head_dim), dtype=torch.float32, device=device)
-            mid_lse = torch.empty((bs, cfg.num_heads, splits), dtype=torch.float32, device=device)
+            mid_o = mid_lse = None  # one split writes the output directly
+            if splits > 1:
+                mid_o = torch.empty((bs, cfg.num_heads, splits, cfg.head_dim), dtype=torch.float32, device=device)
+                mid_lse = torch.empty((bs, cfg.num_heads, splits), dtype=torch.float32, device=device)
             batch.attn_metadata = self._decode_metadata(batch, splits, mid_o, mid_lse)
             return
         starts, start = [], 0
@@ -294,17 +304,25 @@ class TritonAttnBackend(BaseAttnBackend):
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         block_d = triton.next_power_of_2(head_dim)
         block_h = max(16, triton.next_power_of_2(self.group))  # tl.dot needs >= 16 rows on a GPU
-        _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
-            q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, mid_o, mid_lse,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            self.page_table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, BLOCK_H=block_h,
-            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, num_warps=4, num_stages=2)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        direct = splits == 1  # one split: stage 1 writes the output, no merge
+        dst = out[:, :, None, :] if direct else mid_o
+        lse = out if direct else mid_lse  # unused when direct
+        pdl = triton_ops.pdl(q)
+        _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
+            q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, dst, lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            self.page_table.stride(0), dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0),
+            lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, BLOCK_H=block_h,
+            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, DIRECT=direct, PDL=pdl,
+            num_warps=4, num_stages=2, **triton_ops.launch_opts(q))
+        if direct:
+            return out
         _decode_merge_kernel[(bs, num_heads)](
             mid_o, mid_lse, out, meta.seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), splits, head_dim,
-            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=pdl,
+            num_warps=4, **triton_ops.launch_opts(q))
         return out
 
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -318,7 +336,8 @@ class TritonAttnBackend(BaseAttnBackend):
             meta.extend_lens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), out.stride(0), out.stride(1), self.page_table.stride(0), self.scale * _LOG2E,
             self.group, head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-            PRECISION=self.precision, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+            PRECISION=self.precision, PDL=triton_ops.pdl(q), num_warps=8 if block_m >= 128 else 4, num_stages=2,
+            **triton_ops.launch_opts(q))
         return out
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------

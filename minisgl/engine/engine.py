@@ -17,7 +17,7 @@ from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.utils import init_logger
-from minisgl.utils.device import create_event, is_cuda, pick_device, set_cpu_threads, synchronize
+from minisgl.utils.device import HostRing, is_cuda, pick_device, set_cpu_threads, synchronize
 from minisgl.utils.hf import load_hf_config, resolve_model_path
 
 from .config import EngineConfig
@@ -91,6 +91,7 @@ class Engine:
         self.ctx = Context(page_size=config.page_size, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
         set_global_ctx(self.ctx)
         self.sampler = Sampler(self.device)
+        self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
         self.graph_runner = None
         self._init_graphs()
         logger.info(f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
@@ -141,34 +142,48 @@ class Engine:
         self.graph_runner = GraphRunner.create(self)
 
     # ---- compute ---------------------------------------------------------------------------------
+    def prepare_inputs(self, batch: Batch) -> None:
+        """The device side of a step's inputs: write the new page-table entries (a decode step's are
+        (table_idx, positions, out_loc)) and read a decode step's input tokens from the token pool, where
+        the previous step wrote them. Inside the decode graphs, so a replay does it too."""
+        rows, pos, slots = batch.pt_writes or (batch.table_idx, batch.positions, batch.out_loc)
+        self.page_table[rows, pos] = slots
+        if batch.is_decode:
+            batch.input_ids = self.token_pool[batch.table_idx, batch.positions]
+
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         """Run the model on `batch`, sample, write the sampled tokens into the token pool, start the
         host copy. Returns immediately on a GPU (nothing here waits for the device)."""
         set_global_ctx(self.ctx)  # the layers read this engine's Context, even if another was built since
+        info = batch.sampling_info
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.replay(batch)
+            out = self.graph_runner.replay(batch)  # the greedy tokens are in the token pool already
+            logits, next_tokens = out.logits[: batch.size], out.tokens[: batch.size]
+            if not info.all_greedy:
+                next_tokens = self._sample(logits, batch)
         else:
+            self.prepare_inputs(batch)
             self.attn_backend.prepare_metadata(batch)
             with self.ctx.forward_batch(batch):
                 hidden = self.model()
-        if batch.logits_idx is not None:
-            hidden = hidden[batch.logits_idx]
-        else:
-            hidden = hidden[: batch.size]
-        logits = self.model.compute_logits(hidden)
-        next_tokens = self.sampler.sample(logits, batch.sampling_info)
-        self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
-        host = torch.empty(next_tokens.shape, dtype=torch.int32, device="cpu", pin_memory=is_cuda(self.device))
+            hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
+            logits = self.model.compute_logits(hidden)
+            next_tokens = self._sample(logits, batch)
+        buf, slot = self._host_tokens.take(next_tokens.numel())
+        host = buf[: next_tokens.numel()]
         host.copy_(next_tokens, non_blocking=True)
         logprobs = None
-        top = batch.sampling_info.top_logprobs
+        top = info.top_logprobs
         if top >= 0:
             logprobs = tuple(None if t is None else t.to("cpu", non_blocking=True)
                              for t in self.sampler.logprobs(logits, next_tokens, top))
-        event = create_event(self.device)
-        event.record()
-        return ForwardOutput(next_tokens, host, event, logprobs)
+        return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        next_tokens = self.sampler.sample(logits, batch.sampling_info)
+        self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
+        return next_tokens
 
     def shutdown(self) -> None:
         synchronize(self.device)

@@ -2,8 +2,11 @@
 
 Decode at small batch sizes is launch-bound, so replaying one graph instead of launching hundreds of kernels
 matters more than any kernel. A graph replays fixed device addresses, so every input of a step is copied
-into fixed buffers first (input ids, positions, KV write slots, page-table rows, sequence lengths), and a
-batch is padded to the nearest captured size.
+into fixed buffers first (positions, KV write slots, page-table rows, sequence lengths: one copy), and a
+batch is padded to the nearest captured size. Everything else a decode step does on the device is inside
+the graph too: the page-table entries of the new tokens, reading the input tokens from the token pool,
+the LM head, the greedy token (argmax) and writing it into the token pool. A batch that samples replaces
+the greedy tokens afterwards from the graph's logits.
 
 Padding rows are complete one-token requests that touch nothing real: they read page-table row
 `max_running_req` (the engine's extra dummy row) and write their K/V into the dummy KV slot, the first slot
@@ -21,7 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -36,6 +39,14 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 DEFAULT_MAX_BS = 256  # on a GPU when --cuda-graph-max-bs is not given
+
+
+class GraphOutput(NamedTuple):
+    """A graph's fixed outputs, [padded size, ...], rows in batch order."""
+
+    hidden: torch.Tensor  # the final hidden states
+    logits: torch.Tensor
+    tokens: torch.Tensor  # int32 argmax of the logits, already written into the token pool
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -59,8 +70,8 @@ class EmulatedGraph:
 class GraphRunner:
     """Captures decode at a list of batch sizes and replays the smallest graph a batch fits in."""
 
-    # rows of the fixed int32 input buffer, in order
-    FIELDS = ("input_ids", "positions", "out_loc", "table_idx", "seq_lens")
+    # rows of the fixed int32 input buffer, in order (Batch.graph_inputs has the same rows)
+    FIELDS = ("positions", "out_loc", "table_idx", "seq_lens")
 
     def __init__(self, engine: Engine, sizes: list[int], backend_hooks: bool) -> None:
         self.engine = engine
@@ -73,14 +84,14 @@ class GraphRunner:
         self.dummy_slot = engine.num_pages * cfg.page_size
         assert engine.page_table.shape[0] > self.dummy_row, "the engine allocates max_running_req + 1 rows"
         assert engine.kv_pool.num_slots > self.dummy_slot, "the engine allocates one page beyond num_pages"
-        # padding values per field: token 0 at position 0 of the dummy row, writing the dummy slot
-        pad = torch.tensor([0, 0, self.dummy_slot, self.dummy_row, 1], dtype=torch.int32)
+        # padding values per field: position 0 of the dummy row, writing the dummy slot
+        pad = torch.tensor([0, self.dummy_slot, self.dummy_row, 1], dtype=torch.int32)
         self._pad = pad[:, None].expand(len(self.FIELDS), self.max_bs).contiguous().to(device)
         self._inputs = self._pad.clone()  # the fixed buffers, one row per field
-        self.input_ids, self.positions, self.out_loc, self.table_idx, self.seq_lens = self._inputs.unbind(0)
+        self.positions, self.out_loc, self.table_idx, self.seq_lens = self._inputs.unbind(0)
         engine.page_table[self.dummy_row].fill_(self.dummy_slot)
         self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bs -> the fixed hidden-state output of its graph
+        self.outputs: dict[int, GraphOutput] = {}  # bs -> the fixed outputs of its graph
         self._pool = torch.cuda.graph_pool_handle() if not self.emulate else None
         self._stream = torch.cuda.Stream(device) if not self.emulate else None
 
@@ -111,14 +122,26 @@ class GraphRunner:
     def _buffer_batch(self, bs: int) -> Batch:
         """A decode batch of size bs whose tensors are views of the fixed buffers."""
         batch = Batch([None] * bs, "decode", [0] * bs, [1] * bs, [True] * bs)  # reqs: only the count matters
-        batch.input_ids, batch.positions = self.input_ids[:bs], self.positions[:bs]
-        batch.out_loc, batch.table_idx, batch.seq_lens_t = self.out_loc[:bs], self.table_idx[:bs], self.seq_lens[:bs]
+        batch.positions, batch.out_loc = self.positions[:bs], self.out_loc[:bs]
+        batch.table_idx, batch.seq_lens_t = self.table_idx[:bs], self.seq_lens[:bs]
         batch.padded_size = bs
         return batch
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
-        with self.engine.ctx.forward_batch(batch):
-            return self.engine.model()
+    def _forward(self, batch: Batch, plan_from_buffers: bool = False) -> GraphOutput:
+        """What a graph holds: the whole decode step but sampling (see the module docstring)."""
+        engine = self.engine
+        engine.prepare_inputs(batch)
+        if plan_from_buffers:
+            # A backend without graph hooks (torch, CPU only) plans from host lengths: take them from the
+            # fixed buffer, never from the batch being replayed.
+            batch.prefix_lens = [n - 1 for n in batch.seq_lens_t.tolist()]
+            engine.attn_backend.prepare_metadata(batch)
+        with engine.ctx.forward_batch(batch):
+            hidden = engine.model()
+        logits = engine.model.compute_logits(hidden)
+        tokens = logits.argmax(dim=-1).to(torch.int32)
+        engine.token_pool[batch.table_idx, batch.positions + 1] = tokens
+        return GraphOutput(hidden, logits, tokens)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -155,20 +178,14 @@ class GraphRunner:
         return graph, out
 
     def _capture_emulated(self, batch: Batch):
-        out = torch.empty_like(self._forward_emulated(batch))  # the warm-up run, as on a GPU
+        plan = not self.backend_hooks
+        out = GraphOutput(*(torch.empty_like(t) for t in self._forward(batch, plan)))  # the warm-up, as on a GPU
 
         def run() -> None:
-            out.copy_(self._forward_emulated(batch))
+            for dst, src in zip(out, self._forward(batch, plan)):
+                dst.copy_(src)
 
         return EmulatedGraph(run), out
-
-    def _forward_emulated(self, batch: Batch) -> torch.Tensor:
-        if not self.backend_hooks:
-            # A backend without graph hooks (torch) plans from host lengths: take them from the fixed
-            # buffer, never from the batch being replayed.
-            batch.prefix_lens = [n - 1 for n in batch.seq_lens_t.tolist()]
-            self.engine.attn_backend.prepare_metadata(batch)
-        return self._forward(batch)
 
     # ---- replay ----------------------------------------------------------------------------------
     def can_run(self, batch: Batch) -> bool:
@@ -178,15 +195,16 @@ class GraphRunner:
         """The smallest captured batch size that holds n requests."""
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def replay(self, batch: Batch) -> torch.Tensor:
-        """Copy the batch's inputs into the fixed buffers (padding the rest), replay the graph of the
-        padded size; returns the hidden states [padded size, hidden], rows in batch order."""
+    def replay(self, batch: Batch) -> GraphOutput:
+        """Copy the batch's inputs into the fixed buffers (padding the rest) and replay the graph of the
+        padded size; returns its fixed outputs (the first batch.size rows are the batch's)."""
         n = batch.size
         bs = self.padded_size(n)
         batch.padded_size = bs
-        for name, src in zip(self.FIELDS, (batch.input_ids, batch.positions, batch.out_loc, batch.table_idx,
-                                            batch.seq_lens_t)):
-            getattr(self, name)[:n].copy_(src, non_blocking=True)
+        inputs = batch.graph_inputs  # the scheduler packs them; a batch built by hand gets them stacked
+        if inputs is None:
+            inputs = torch.stack([batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t])
+        self._inputs[:, :n].copy_(inputs, non_blocking=True)
         if bs > n:  # rows a larger batch left behind would write K/V into slots they no longer own
             self._inputs[:, n:bs].copy_(self._pad[:, n:bs], non_blocking=True)
         if self.backend_hooks:

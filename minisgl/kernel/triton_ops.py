@@ -5,13 +5,48 @@ kernel/__init__.py calls these for CUDA tensors. They also run on CPU tensors un
 
 Every kernel accepts a unit stride on the last dimension and any stride on the others, so the q/k/v views
 that come out of the fused QKV projection need no copy.
+
+On Hopper and newer GPUs the kernels launch with programmatic dependent launch (PDL): a kernel may start
+while the one before it is still running, and waits for it (`gdc_begin`) before it touches anything that
+kernel may write; only reads of weights come before the wait. The next kernel's launch is released right
+after the wait, so at most two kernels overlap and every kernel still sees all earlier ones complete.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from minisgl.env import ENV
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_on(index: int) -> bool:
+    cuda_lang = getattr(tl.extra, "cuda", None)
+    return (ENV.pdl and torch.cuda.get_device_capability(index)[0] >= 9
+            and hasattr(cuda_lang, "gdc_wait") and hasattr(cuda_lang, "gdc_launch_dependents"))
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device launch with programmatic dependent launch."""
+    return x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def launch_opts(x: torch.Tensor) -> dict:
+    """Extra launch arguments for a kernel whose tensors live on x's device."""
+    return {"launch_pdl": True} if pdl(x) else {}
+
+
+@triton.jit
+def gdc_begin(PDL: tl.constexpr):
+    """Wait until the previous kernel has finished and its writes are visible, then let the next kernel
+    launch. A no-op without PDL; every PDL kernel calls it before its first dependent access."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -28,8 +63,9 @@ def _warps(block: int) -> int:
 # ---- RMSNorm -------------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                     N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row per program: (optionally residual += x, then) out = w * norm(x) like reference.rms_norm."""
+    gdc_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -55,7 +91,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
-                                         HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block))
+                                         HAS_RESIDUAL=False, BLOCK=block, PDL=pdl(x), num_warps=_warps(block),
+                                         **launch_opts(x))
     return out.view(shape)
 
 
@@ -70,8 +107,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, r2, x2.stride(0), r2.stride(0), out.stride(0),
-                                         r2.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=block,
-                                         num_warps=_warps(block))
+                                         r2.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=block, PDL=pdl(x),
+                                         num_warps=_warps(block), **launch_opts(x))
     return out.view(shape), r2.view(shape)
 
 
@@ -85,7 +122,8 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    gdc_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -102,7 +140,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
         grid = (x2.shape[0], triton.cdiv(n, block))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, PDL=pdl(x), num_warps=4,
+                                   **launch_opts(x))
     return out.view(*x.shape[:-1], n)
 
 
@@ -135,9 +174,10 @@ def _rotate_heads(x_ptr, out_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot, s
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, eps, stride_qt,
                    stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
                    Hq, Hk, D, HALF, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rotates the first 2*HALF dims of every q and k head (neox layout: dim d
     pairs with d + HALF) and copies the rest; NORM: RMSNorm each head first (Qwen3's q/k norm)."""
+    gdc_begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
@@ -171,7 +211,7 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
                              q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
                              cos_sin_cache.stride(0), Hq, Hk, D, half, NORM=norm,
                              BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
-                             BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+                             BLOCK_D=triton.next_power_of_2(D), PDL=pdl(q), num_warps=4, **launch_opts(q))
     return q_out, k_out
 
 
@@ -193,8 +233,10 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
 # ---- KV store ------------------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, stride_kt, stride_kh, stride_vt,
-                     stride_vh, stride_ct, stride_ch, H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     stride_vh, stride_ct, stride_ch, H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
     """One token per program: its K and V rows (all heads) go to pool row loc[token]."""
+    gdc_begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + token).to(tl.int64)  # int64: slot * row size overflows int32 in large pools
     heads = tl.arange(0, BLOCK_H)
@@ -216,7 +258,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
     if T:
         _store_kv_kernel[(T,)](k, v, k_cache, v_cache, out_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                k_cache.stride(0), k_cache.stride(1), H, D, BLOCK_H=triton.next_power_of_2(H),
-                               BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+                               BLOCK_D=triton.next_power_of_2(D), PDL=pdl(k), num_warps=4, **launch_opts(k))
 
 
 # ---- GEMV (decode at batch size 1) ---------------------------------------------------------------------
@@ -231,42 +273,56 @@ def _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD: tl.constexpr):
 
 
 @triton.jit
+def _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K: tl.constexpr, k0, BLOCK_K: tl.constexpr,
+                      GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
+    """The K block at k0 of the row the GEMV multiplies: x (+ residual), normalised, or silu(gate) * up."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    x = _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD)
+    if NORM:  # rounded where reference.rms_norm rounds: the normalised row, then the weight product
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+        x = (nw.to(tl.float32) * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+    if GATED:
+        x = _silu_mul(x, tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0))
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
                  GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[n block] = W[n block] x for one row x; each program streams BLOCK_N rows of W once, keeps the
-    products per lane and reduces once at the end. K is a constexpr so the K loops unroll and all their
-    loads issue early. GATED: x is [gate | up] (2K wide) and the input is silu(gate) * up, as silu_and_mul.
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[n block] = W[n block] x for one row x. The first K block of W (with the tuned tiles, the whole
+    slice: BLOCK_K >= K) is loaded before waiting for the previous kernel, since weights never depend on
+    it: under programmatic dependent launch this kernel's weights stream in while the previous one runs.
+    GATED: x is [gate | up] (2K wide) and the input is silu(gate) * up, as silu_and_mul.
     NORM: the input is rms_norm(h, nw) with h = x (+ residual if ADD), as reference.(fused_add_)rms_norm;
     every program normalises the row itself; with ADD, program 0 stores h (a new tensor: none reads it)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    gdc_begin(PDL)
+    rstd = 0.0
     if NORM:
         sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            h = _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD)
+            offs = k0 + tl.arange(0, BLOCK_K)
+            mask = offs < K
+            h = _gemv_input(x_ptr, r_ptr, offs, mask, ADD)
             if ADD:  # noqa: SIM102 (a constexpr branch around a run-time one)
                 if pid == 0:
-                    tl.store(h_ptr + offs_k, h, mask=k_mask)
+                    tl.store(h_ptr + offs, h, mask=mask)
             sumsq += h.to(tl.float32) * h.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD)
-        if NORM:  # rounded where reference.rms_norm rounds: the normalised row, then the weight product
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
-            x = (nw.to(tl.float32) * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
-        if GATED:
-            x = _silu_mul(x, tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0))
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+    x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, 0, BLOCK_K, GATED, NORM, ADD)
+    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):  # only with tiles narrower than K
+        offs = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs[None, :], mask=n_mask[:, None] & (offs < K)[None, :], other=0.0)
+        x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, k0, BLOCK_K, GATED, NORM, ADD)
+        y += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -280,10 +336,14 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
-def _gemv_tiles(n: int, k: int, norm: bool) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K), tuned on an H200: whole 1024-wide K blocks and two rows of W a program (many
-    programs keep many loads in flight); eight rows when every program also normalises the input row."""
-    return (8 if norm else 2), min(1024, triton.next_power_of_2(k))
+_GEMV_TILE = 16384  # weight elements a program holds: 32 KB in half precision
+
+
+def _gemv_tiles(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): a program holds a whole BLOCK_N x K slice of W (up to _GEMV_TILE elements), so
+    all its weight loads issue at once, before the wait on the previous kernel."""
+    block_k = min(_GEMV_TILE, triton.next_power_of_2(k))
+    return max(1, min(16, _GEMV_TILE // block_k)), block_k
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
@@ -291,13 +351,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
           tiles: tuple[int, int] | None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, 2 * k if gated else k) and x.stride(-1) == 1 and weight.stride(-1) == 1
-    block_n, block_k = tiles or _gemv_tiles(n, k, norm is not None)
+    block_n, block_k = tiles or _gemv_tiles(n, k)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm_weight, eps, residual, h = norm or (weight, 0.0, None, weight)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, h, norm_weight, eps, weight, bias if bias is not None else weight,
         y, n, weight.stride(0), K=k, GATED=gated, NORM=norm is not None, ADD=residual is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x),
+        num_warps=8 if block_n * block_k >= _GEMV_TILE else 4, **launch_opts(x))
     return y
 
 

@@ -16,7 +16,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine import Engine, ForwardOutput, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
-from minisgl.utils.device import create_stream, current_stream, is_cuda, use_stream
+from minisgl.utils.device import HostRing, create_stream, current_stream, use_stream
 
 from .cache import CacheManager
 from .config import SchedulerConfig
@@ -54,6 +54,7 @@ class Scheduler:
         self.reqs: Dict[int, Req] = {}
         self.stream = create_stream(self.device)  # the engine computes here; batches are prepared on the current stream
         self._in_flight: Optional[Tuple[Batch, ForwardOutput]] = None
+        self._staging = HostRing(self.device)  # pinned buffers for the per-step host -> device copy
         self._pending_outputs: List[StepOutput] = []
         self.num_retractions = 0
         self.last_batch_size = 0
@@ -197,12 +198,10 @@ class Scheduler:
                 return None
         positions = [r.cached_len for r in reqs]
         out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
-        rows = [r.table_idx for r in reqs]
         batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
         for r in reqs:
             r.table_len = r.cached_len + 1
-        self._to_device(batch, positions, out_loc, (rows, positions, out_loc), None, logits_idx=None, sample_rows=rows,
-                        sample_pos=[p + 1 for p in positions])
+        self._to_device(batch, positions, out_loc, None, None, None, None, sample_pos=[p + 1 for p in positions])
         for r in reqs:
             r.cached_len += 1
             r.device_len += 1
@@ -225,14 +224,18 @@ class Scheduler:
             req.table_idx, req.table_len = -1, 0
 
     def _to_device(self, batch: Batch, positions: List[int], out_loc: List[int],
-                   page_table_writes: Tuple[List[int], List[int], List[int]], input_ids: Optional[List[int]], logits_idx: Optional[List[int]], sample_rows: List[int],
-                   sample_pos: List[int]) -> None:
-        """Pack the step's host integers into one tensor, copy it to the device in one go, and fill in
-        the batch's device tensors and the page table."""
+                   page_table_writes: Optional[Tuple[List[int], List[int], List[int]]], input_ids: Optional[List[int]],
+                   logits_idx: Optional[List[int]], sample_rows: Optional[List[int]], sample_pos: List[int]) -> None:
+        """Pack the step's host integers into one pinned buffer, copy it to the device in one go, and fill
+        in the batch's device tensors. A decode batch (no page-table writes, sample rows or input ids given)
+        starts with its four per-request rows, equally long, so they form one [4, n] view for the graph
+        runner; its page-table writes are (table_idx, positions, out_loc) and its input ids come from the
+        token pool, both done by the engine."""
         table_idx = [r.table_idx for r in batch.reqs]
-        seq_lens = batch.seq_lens
-        parts = [positions, out_loc, *page_table_writes, table_idx, seq_lens, sample_rows, sample_pos,
-                 logits_idx or [], input_ids or []]
+        decode = page_table_writes is None
+        parts = [positions, out_loc, table_idx, batch.seq_lens, sample_pos]
+        if not decode:
+            parts += [*page_table_writes, sample_rows, logits_idx or [], input_ids]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
         flat: List[int] = []
@@ -241,20 +244,18 @@ class Scheduler:
             offsets.append(len(flat))
             flat.extend(p)
             flat.extend([0] * (-len(p) % 4))
-        host = torch.tensor(flat, dtype=torch.int32)
-        if is_cuda(self.device):
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        (pos_t, loc_t, pt_rows, pt_pos, pt_slots, tidx_t, lens_t, srows_t, spos_t, lidx_t, ids_t) = \
-            [dev[off:off + len(p)] for off, p in zip(offsets, parts)]
-        batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t = pos_t, loc_t, tidx_t, lens_t
-        batch.sample_table_idx, batch.sample_pos = srows_t, spos_t
-        batch.logits_idx = lidx_t.long() if logits_idx is not None else None
-        self.engine.page_table[pt_rows, pt_pos] = pt_slots
-        if input_ids is not None:
-            batch.input_ids = ids_t
-        else:  # decode: the input is the token sampled last step, already in the device token pool
-            batch.input_ids = self.engine.token_pool[tidx_t, pos_t]
+        dev = self._staging.to_device(flat)
+        views = [dev[off:off + len(p)] for off, p in zip(offsets, parts)]
+        batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t, batch.sample_pos = views[:5]
+        if decode:
+            n, m = batch.size, offsets[1]
+            batch.graph_inputs = dev[:4 * m].view(4, m)[:, :n]
+            batch.pt_writes = (batch.table_idx, batch.positions, batch.out_loc)
+            batch.sample_table_idx = batch.table_idx
+        else:
+            pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[5:]
+            batch.pt_writes = (pt_rows, pt_pos, pt_slots)
+            batch.logits_idx = lidx_t.long() if logits_idx is not None else None
         sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
         batch.sampling_info = SamplingInfo.build(sampled, sample_pos, self.vocab_size, self.device)
 

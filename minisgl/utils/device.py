@@ -79,6 +79,51 @@ def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory() if is_cuda(device) else tensor
 
 
+class HostRing:
+    """A few pinned int32 host buffers used in turn for per-step transfers, so a step allocates no pinned
+    memory. A buffer is handed out again only after the copy that last used it has completed (its event:
+    with overlap scheduling at most one step is in flight, so that wait never blocks in practice). On a
+    CPU the buffers are plain memory and the events no-ops."""
+
+    def __init__(self, device: torch.device, slots: int = 4) -> None:
+        self.device = device
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._events: list = [None] * slots
+        self._next = 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, int]:
+        """A host buffer of at least n elements and its slot; call `used(slot)` after its copy is queued."""
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+            self._events[i] = None
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1024, 2 * (0 if buf is None else buf.numel())), dtype=torch.int32)
+            buf = self._bufs[i] = pin(buf, self.device)
+        return buf, i
+
+    def used(self, slot: int):
+        """Mark the copies queued from (or into) buffer `slot` on the current stream; returns the event
+        that completes with them."""
+        event = create_event(self.device)
+        event.record()
+        self._events[slot] = event
+        return event
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """values as an int32 tensor on the device, through a pinned buffer and one asynchronous copy."""
+        if not is_cuda(self.device):
+            return torch.tensor(values, dtype=torch.int32)
+        buf, slot = self.take(len(values))
+        host = buf[: len(values)]
+        host.copy_(torch.tensor(values, dtype=torch.int32))
+        dev = host.to(self.device, non_blocking=True)
+        self.used(slot)
+        return dev
+
+
 def synchronize(device: torch.device) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(device)
