@@ -136,10 +136,11 @@ def timeline(args: argparse.Namespace) -> None:
     w = get_workload("w1")
     llm.generate(w.prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True)] * 8)
     s = llm.scheduler
-    steps: list = []
-    orig_schedule, orig_step = s._schedule, s.step
+    steps: list = []  # [phase, batch size, tokens, wall s, schedule s, launch s]
+    orig_schedule, orig_step, orig_launch = s._schedule, s.step, s._launch
 
     def schedule():
+        t = time.perf_counter()
         b = orig_schedule()
         steps.append(
             [
@@ -147,9 +148,17 @@ def timeline(args: argparse.Namespace) -> None:
                 0 if b is None else b.size,
                 0 if b is None else b.num_tokens,
                 0.0,
+                time.perf_counter() - t,
+                0.0,
             ]
         )
         return b
+
+    def launch(batch):
+        t = time.perf_counter()
+        out = orig_launch(batch)
+        steps[-1][5] += time.perf_counter() - t
+        return out
 
     def step():
         t = time.perf_counter()
@@ -158,24 +167,22 @@ def timeline(args: argparse.Namespace) -> None:
             steps[-1][3] += time.perf_counter() - t
         return out
 
-    s._schedule, s.step = schedule, step
+    s._schedule, s.step, s._launch = schedule, step, launch
     t = time.perf_counter()
     llm.generate(w.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in w.outputs])
     total = time.perf_counter() - t
     print(f"W1 {w.output_tokens / total:.0f} tok/s, {total:.2f} s, {len(steps)} steps")
     buckets: dict = {}
-    for phase, bs, ntok, dt in steps:
+    for phase, bs, ntok, dt, sched, launch_s in steps:
         key = (phase, min(256, 1 << max(0, bs - 1).bit_length()) if phase == "decode" else 0)
-        b = buckets.setdefault(key, [0, 0.0, 0, 0])
-        b[0] += 1
-        b[1] += dt
-        b[2] += ntok
-        b[3] += bs
+        b = buckets.setdefault(key, [0, 0.0, 0, 0, 0.0, 0.0])
+        for i, v in enumerate((1, dt, ntok, bs, sched, launch_s)):
+            b[i] += v
     for key in sorted(buckets):
-        n, dt, ntok, bs = buckets[key]
+        n, dt, ntok, bs, sched, launch_s = buckets[key]
         print(
-            f"{key[0]:>7} bs<={key[1]:>3}: {n:5d} steps {dt:7.3f} s ({dt / n * 1e3:6.2f} ms/step), "
-            f"{ntok} tokens, mean bs {bs / n:.1f}"
+            f"{key[0]:>7} bs<={key[1]:>3}: {n:5d} steps {dt:7.3f} s ({dt / n * 1e3:6.2f} ms/step; host: schedule "
+            f"{sched / n * 1e3:5.2f}, launch {launch_s / n * 1e3:5.2f}), {ntok} tokens, mean bs {bs / n:.1f}"
         )
 
 

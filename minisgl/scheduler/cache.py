@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from minisgl.core import Req
@@ -45,7 +46,9 @@ class CacheManager:
     def slots_of(self, pages: List[int], n: int) -> torch.Tensor:
         """KV slots of positions 0..n-1 of a request owning `pages`."""
         ps = self.page_size
-        t = torch.tensor(pages[: (n + ps - 1) // ps], dtype=torch.int32)
+        t = torch.from_numpy(np.asarray(pages[: (n + ps - 1) // ps], dtype=np.int32))
+        if ps == 1:
+            return t
         return (t[:, None] * ps + torch.arange(ps, dtype=torch.int32)[None, :]).flatten()[:n]
 
     # ---- prefix cache ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from minisgl.core import Batch, Req, SamplingParams
@@ -151,22 +152,25 @@ class Scheduler:
     def _prepare_prefill(self, plan: PrefillPlan) -> Batch:
         sample_mask = [p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)]
         batch = Batch(plan.reqs, "prefill", plan.prefix_lens, plan.extend_lens, sample_mask)
+        # per-token parts as tensors (a prefill step can hold thousands of tokens)
         positions, input_ids, out_loc, pt_rows, pt_pos, pt_slots = [], [], [], [], [], []
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
-            positions.extend(range(prefix, prefix + extend))
-            input_ids.extend(req.token_ids[prefix:prefix + extend])
-            slots = self.cache.slots_of(req.pages, prefix + extend).tolist()
-            out_loc.extend(slots[prefix:])
+            end = prefix + extend
+            positions.append(torch.arange(prefix, end, dtype=torch.int32))
+            input_ids.append(np.asarray(req.token_ids[prefix:end], dtype=np.int32))
+            slots = self.cache.slots_of(req.pages, end)
+            out_loc.append(slots[prefix:])
             # the page-table row also needs the cached prefix when the request was just admitted
             start = req.table_len
-            pt_rows.extend([req.table_idx] * (prefix + extend - start))
-            pt_pos.extend(range(start, prefix + extend))
-            pt_slots.extend(slots[start:])
-            req.table_len = prefix + extend
+            pt_rows.append(torch.full((end - start,), req.table_idx, dtype=torch.int32))
+            pt_pos.append(torch.arange(start, end, dtype=torch.int32))
+            pt_slots.append(slots[start:])
+            req.table_len = end
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
-        self._to_device(batch, positions, out_loc, (pt_rows, pt_pos, pt_slots), input_ids,
-                        logits_idx=ends[sampled].tolist(),
+        self._to_device(batch, torch.cat(positions), torch.cat(out_loc),
+                        (torch.cat(pt_rows), torch.cat(pt_pos), torch.cat(pt_slots)),
+                        torch.from_numpy(np.concatenate(input_ids)), logits_idx=ends[sampled].to(torch.int32),
                         sample_rows=[plan.reqs[i].table_idx for i in sampled],
                         sample_pos=[plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled])
         for req, prefix, extend, s in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, sample_mask):
@@ -223,39 +227,31 @@ class Scheduler:
             self.table.free(req.table_idx)
             req.table_idx, req.table_len = -1, 0
 
-    def _to_device(self, batch: Batch, positions: List[int], out_loc: List[int],
-                   page_table_writes: Optional[Tuple[List[int], List[int], List[int]]], input_ids: Optional[List[int]],
-                   logits_idx: Optional[List[int]], sample_rows: Optional[List[int]], sample_pos: List[int]) -> None:
-        """Pack the step's host integers into one pinned buffer, copy it to the device in one go, and fill
-        in the batch's device tensors. A decode batch (no page-table writes, sample rows or input ids given)
-        starts with its four per-request rows, equally long, so they form one [4, n] view for the graph
-        runner; its page-table writes are (table_idx, positions, out_loc) and its input ids come from the
-        token pool, both done by the engine."""
+    def _to_device(self, batch: Batch, positions, out_loc, page_table_writes, input_ids, logits_idx, sample_rows,
+                   sample_pos: List[int]) -> None:
+        """Pack the step's integers (lists or int32 tensors) into one pinned buffer, copy it to the device
+        in one go, and fill in the batch's device tensors. A decode batch (no page-table writes, sample
+        rows, input ids or logits rows given) starts with its four per-request rows, equally long, so they
+        form one [4, n] view for the graph runner; its page-table writes are (table_idx, positions,
+        out_loc) and its input ids come from the token pool, both done by the engine."""
         table_idx = [r.table_idx for r in batch.reqs]
         decode = page_table_writes is None
         parts = [positions, out_loc, table_idx, batch.seq_lens, sample_pos]
         if not decode:
-            parts += [*page_table_writes, sample_rows, logits_idx or [], input_ids]
+            parts += [*page_table_writes, sample_rows, logits_idx, input_ids]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
-        flat: List[int] = []
-        offsets = []
-        for p in parts:
-            offsets.append(len(flat))
-            flat.extend(p)
-            flat.extend([0] * (-len(p) % 4))
-        dev = self._staging.to_device(flat)
+        dev, offsets = self._staging.pack(parts)
         views = [dev[off:off + len(p)] for off, p in zip(offsets, parts)]
         batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t, batch.sample_pos = views[:5]
         if decode:
             n, m = batch.size, offsets[1]
             batch.graph_inputs = dev[:4 * m].view(4, m)[:, :n]
-            batch.pt_writes = (batch.table_idx, batch.positions, batch.out_loc)
             batch.sample_table_idx = batch.table_idx
         else:
             pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[5:]
             batch.pt_writes = (pt_rows, pt_pos, pt_slots)
-            batch.logits_idx = lidx_t.long() if logits_idx is not None else None
+            batch.logits_idx = lidx_t.long()
         sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
         batch.sampling_info = SamplingInfo.build(sampled, sample_pos, self.vocab_size, self.device)
 

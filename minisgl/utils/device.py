@@ -10,6 +10,7 @@ import contextlib
 import os
 from typing import Iterator
 
+import numpy as np
 import torch
 
 
@@ -112,16 +113,24 @@ class HostRing:
         self._events[slot] = event
         return event
 
-    def to_device(self, values: list[int]) -> torch.Tensor:
-        """values as an int32 tensor on the device, through a pinned buffer and one asynchronous copy."""
-        if not is_cuda(self.device):
-            return torch.tensor(values, dtype=torch.int32)
-        buf, slot = self.take(len(values))
-        host = buf[: len(values)]
-        host.copy_(torch.tensor(values, dtype=torch.int32))
-        dev = host.to(self.device, non_blocking=True)
+    def pack(self, parts: list) -> tuple[torch.Tensor, list[int]]:
+        """Pack int parts (lists or int32 tensors) into one buffer, each part starting 16-byte aligned, and
+        copy it to the device in one asynchronous copy. Returns the device tensor and the parts' offsets."""
+        arrays = [p if isinstance(p, torch.Tensor) else torch.from_numpy(np.asarray(p, dtype=np.int32))
+                  for p in parts]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.numel() // 4) * 4
+        cuda = is_cuda(self.device)
+        buf, slot = self.take(total) if cuda else (torch.empty(total, dtype=torch.int32), -1)
+        for off, a in zip(offsets, arrays):
+            buf[off:off + a.numel()] = a
+        if not cuda:
+            return buf, offsets
+        dev = buf[:total].to(self.device, non_blocking=True)
         self.used(slot)
-        return dev
+        return dev, offsets
 
 
 def synchronize(device: torch.device) -> None:
