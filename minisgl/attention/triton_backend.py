@@ -1,13 +1,11 @@
 """The Triton attention backend, the default on CUDA: paged decode with split KV, and prefill/extend over a
 cached prefix, both reading K/V through the per-token page table (so any page size works unchanged).
 
-Decode is one launch with one program per (request, KV head, split): it loads the query heads of that
-KV head's GQA group together, so each K/V row is read once; the new token's K/V come straight from the
-projection (the program that owns the last position also writes them into the pool). The number of
-splits is chosen so the kernel fills the GPU several times over even at batch size 1. A request whose keys
-fit one split gets its output written directly; otherwise each split writes a partial output and its
-log-sum-exp, and the last split of the (request, KV head) to finish, found with an atomic counter, merges
-them (split-K with a semaphore: no second kernel).
+Decode runs in two stages. Stage 1 has one program per (request, KV head, split): it loads the query heads
+of that KV head's GQA group together, so each K/V row is read once, and it writes a partial output plus
+the split's log-sum-exp. Stage 2 merges the splits of each (request, query head). The number of splits is
+chosen so the first stage fills the GPU several times over even at batch size 1; with one split (large
+batches) stage 1 writes the output itself and stage 2 is skipped.
 
 Prefill/extend is one flash-attention launch over the new tokens of every request: a program owns a tile
 of one request's new queries for one query head, streams the keys 0..prefix+i through the page table with
@@ -42,18 +40,16 @@ _MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism g
 
 # ---- decode --------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, page_table_ptr, table_idx_ptr,
-                   seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, stride_qb, stride_qh, stride_kb,
-                   stride_kh, stride_vb, stride_vh, stride_ct, stride_ch, stride_pt, stride_ob, stride_oh,
-                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, scale_log2, GROUP, NUM_KV_HEADS, D,
-                   NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr,
+                         mid_o_ptr, mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_pt, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                         scale_log2, GROUP, D, NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
-    keys. The new token's K/V come from k/v (the program whose split holds it also writes them into the
-    pool: no separate store kernel, and no other program reads that slot). With one split holding keys the
-    output is written directly; otherwise each split writes its normalised partial output and
-    log2-sum-exp, and the last split of (b, KV head) to finish (a counter, reset after use) merges them.
-    A split past the sequence's end does nothing."""
+    keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
+    nothing (the merge reads only the splits that hold keys). DIRECT (one split): the output itself goes
+    to mid_o_ptr, in its dtype, and there is no merge."""
     gdc_begin(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,24 +61,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, p
     if start >= seq_len:  # graphs fix the split count for max_seq_len: most splits are empty at short lengths
         return
     end = tl.minimum(start + chunk, seq_len)
-    last = seq_len - 1  # the new token's position
     row = tl.load(table_idx_ptr + b).to(tl.int64)
-    b64 = b.to(tl.int64)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
     head_mask = offs_h < GROUP
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < D
-    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-    k_new = tl.load(k_ptr + b64 * stride_kb + kv_head * stride_kh + dims, mask=dim_mask, other=0.0)
-    v_new = tl.load(v_ptr + b64 * stride_vb + kv_head * stride_vh + dims, mask=dim_mask, other=0.0)
-    if end == seq_len:
-        slot = tl.load(out_loc_ptr + b).to(tl.int64)
-        dst = slot * stride_ct + kv_head * stride_ch + dims
-        tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_mask)
-        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -90,58 +77,55 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, p
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_mask = offs_n < end
-        is_new = offs_n == last
-        cached = key_mask & (offs_n != last)
-        slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=cached, other=0).to(tl.int64)
-        kv_mask = cached[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ct + kv_head * stride_ch + dims[None, :],
+        slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=key_mask, other=0).to(tl.int64)
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        k = tl.where(is_new[:, None], k_new[None, :].to(k.dtype), k)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
         qk = tl.where(key_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block in the loop holds a real key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_ct + kv_head * stride_ch + dims[None, :],
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        v = tl.where(is_new[:, None], v_new[None, :].to(v.dtype), v)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    out_rows = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-    out_mask = head_mask[:, None] & dim_mask[None, :]
-    num_active = tl.cdiv(seq_len, chunk)
-    if num_active == 1:
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        mid_rows = mid_o_ptr + b64 * stride_mb + heads[:, None] * stride_mh + dims[None, :]
-        lse_rows = mid_lse_ptr + b64 * stride_lb + heads * stride_lh
-        tl.store(mid_rows + split * stride_ms, out, mask=out_mask)
-        tl.store(lse_rows + split, m_i + tl.log2(l_i), mask=head_mask)  # l_i >= 1: the split holds a key
-        tl.debug_barrier()  # every thread's stores before the release below
-        counter = counter_ptr + b * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_active - 1:  # the last split: merge
-            splits = tl.arange(0, BLOCK_S)
-            split_mask = splits < num_active
-            for h in range(GROUP):
-                head = kv_head * GROUP + h
-                lse = tl.load(mid_lse_ptr + b64 * stride_lb + head * stride_lh + splits, mask=split_mask,
-                              other=float("-inf"), cache_modifier=".cg")
-                weight = tl.exp2(lse - tl.max(lse, 0))  # splits without keys (-inf) weigh 0
-                o = tl.load(mid_o_ptr + b64 * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
-                            mask=split_mask[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-                tl.store(out_ptr + b64 * stride_ob + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
-                         mask=dim_mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next layer / step
+    mid = mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dims[None, :]
+    tl.store(mid, out.to(mid_o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+    if not DIRECT:
+        lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
+        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
 @triton.jit
 def _split_len(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
     """Keys per split: the sequence over NUM_SPLITS, rounded up to whole key blocks."""
     return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, stride_mb, stride_mh, stride_ms,
+                         stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over
+    the splits that hold keys (stage 1 wrote nothing for the others)."""
+    gdc_begin(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < D
+    lse = tl.load(mid_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # masked splits (-inf) weigh 0; split 0 always holds keys
+    o = tl.load(mid_o_ptr + b * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
+                mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 # ---- prefill / extend ----------------------------------------------------------------------------------
@@ -261,10 +245,6 @@ class TritonAttnBackend(BaseAttnBackend):
             self.extend_blocks = (16, 16)
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
-        # per (request, KV head): splits of the current decode kernel done so far (the last one merges);
-        # always back at 0 after a kernel
-        self._counters = torch.zeros(page_table.shape[0] * config.num_kv_heads, dtype=torch.int32,
-                                     device=config.device)
         self._staging = HostRing(config.device)  # pinned buffers for the extend metadata
         self._graph_splits: dict[int, int] = {}
         self._graph_mid_o: torch.Tensor | None = None
@@ -308,31 +288,37 @@ class TritonAttnBackend(BaseAttnBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
-        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
-        assert k_cache.stride() == v_cache.stride()
-        if batch.is_decode:  # the decode kernel stores the new K/V itself
-            return self._decode(q, k, v, k_cache, v_cache, batch.out_loc, batch.attn_metadata)
         triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+        if batch.is_decode:
+            return self._decode(q, k_cache, v_cache, batch.attn_metadata)
         return self._extend(q, k_cache, v_cache, batch.attn_metadata)
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, out_loc: torch.Tensor, meta: TritonDecodeMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonDecodeMetadata) -> torch.Tensor:
         bs, num_heads, head_dim = q.shape
-        splits = meta.num_splits
+        mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
+        block_d = triton.next_power_of_2(head_dim)
+        block_h = max(16, triton.next_power_of_2(self.group))  # tl.dot needs >= 16 rows on a GPU
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        mid_o = out[:, :, None, :] if meta.mid_o is None else meta.mid_o  # one split: never written
-        mid_lse = out if meta.mid_lse is None else meta.mid_lse
-        assert bs * self.config.num_kv_heads <= self._counters.numel()
-        _decode_kernel[(bs, self.config.num_kv_heads, splits)](
-            q, k, v, k_cache, v_cache, out_loc, self.page_table, meta.table_idx, meta.seq_lens, out, mid_o, mid_lse,
-            self._counters, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), self.page_table.stride(0), out.stride(0), out.stride(1),
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            self.scale * _LOG2E, self.group, self.config.num_kv_heads, head_dim, splits,
-            BLOCK_H=max(16, triton.next_power_of_2(self.group)),  # tl.dot needs >= 16 rows on a GPU
-            BLOCK_N=self.decode_block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=triton.next_power_of_2(splits), PRECISION=self.precision, PDL=triton_ops.pdl(q), num_warps=4,
-            num_stages=2, **triton_ops.launch_opts(q))
+        direct = splits == 1  # one split: stage 1 writes the output, no merge
+        dst = out[:, :, None, :] if direct else mid_o
+        lse = out if direct else mid_lse  # unused when direct
+        pdl = triton_ops.pdl(q)
+        _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
+            q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, dst, lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            self.page_table.stride(0), dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0),
+            lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, BLOCK_H=block_h,
+            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, DIRECT=direct, PDL=pdl,
+            num_warps=4, num_stages=2, **triton_ops.launch_opts(q))
+        if direct:
+            return out
+        _decode_merge_kernel[(bs, num_heads)](
+            mid_o, mid_lse, out, meta.seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), splits, head_dim,
+            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=pdl,
+            num_warps=4, **triton_ops.launch_opts(q))
         return out
 
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
