@@ -100,6 +100,35 @@ def test_qk_norm_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
         _close(g, w, dtype)
 
 
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_with_kv_store_writes_the_rotated_k_and_v_into_the_pool_rows_only(norm, dtype):
+    """kv_store: the rotated k and v land in the pool rows out_loc (nothing else in the pool changes) and
+    q is the same as without it; no k is returned."""
+    T, Hq, Hk, D, slots = 5, 4, 2, 24, 32
+    qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
+    q_w, k_w = _randn(D, dtype=dtype, seed=1), _randn(D, dtype=dtype, seed=2)
+    cache = _randn(100, 16, seed=3)
+    positions = torch.tensor([0, 5, 99, 17, 42], dtype=torch.int32, device=DEVICE)
+    out_loc = torch.tensor([7, 30, 0, 12, 13], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache = _randn(slots, Hk, D, dtype=dtype, seed=4), _randn(slots, Hk, D, dtype=dtype, seed=5)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    weights = (q_w, k_w, 1e-6) if norm else ()
+    rotate = triton_ops.qk_norm_rotary if norm else triton_ops.apply_rotary
+    want_q, want_k = rotate(q, k, *weights, positions, cache)
+    got_q, got_k = rotate(q, k, *weights, positions, cache, kv_store=(k_cache, v_cache, out_loc, v))
+    assert got_k is None
+    assert torch.equal(got_q, want_q)
+    rows = out_loc.long()
+    assert torch.equal(k_cache[rows], want_k) and torch.equal(v_cache[rows], v)
+    others = torch.ones(slots, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(k_cache[others], k_before[others]) and torch.equal(v_cache[others], v_before[others])
+
+
 def _close_norm(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     """|got - want| / |want| over the whole output: a GEMM's rounding error scales with the row, not
     with each (possibly tiny) element."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
@@ -38,9 +38,15 @@ class BaseAttnBackend(ABC):
         """Fill batch.attn_metadata from batch.table_idx, prefix/extend lengths (host and device)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: "Batch") -> torch.Tensor:
-        """Store k/v [T, Hkv, D] at batch.out_loc, then attend q [T, Hq, D] -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, layer_id: int,
+                batch: "Batch", stored: bool = False) -> torch.Tensor:
+        """Store k/v [T, Hkv, D] at batch.out_loc (unless `stored`: an earlier kernel did), then attend
+        q [T, Hq, D] -> [T, Hq, D]."""
+
+    def kv_from_pool(self, batch: "Batch") -> bool:
+        """Whether attention reads this batch's new K/V from the pool only, so an earlier kernel (rotary)
+        may store them and forward runs with stored=True."""
+        return False
 
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
     def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
@@ -66,8 +72,11 @@ class HybridBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: "Batch") -> None:
         self._pick(batch).prepare_metadata(batch)
 
-    def forward(self, q, k, v, layer_id, batch):
-        return self._pick(batch).forward(q, k, v, layer_id, batch)
+    def forward(self, q, k, v, layer_id, batch, stored=False):
+        return self._pick(batch).forward(q, k, v, layer_id, batch, stored)
+
+    def kv_from_pool(self, batch: "Batch") -> bool:
+        return self._pick(batch).kv_from_pool(batch)
 
     def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
         self.decode.init_capture_graph(max_bs, capture_bs)

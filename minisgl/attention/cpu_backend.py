@@ -41,11 +41,12 @@ class CpuAttnBackend(TorchAttnBackend):
             batch.table_idx.to(torch.int64), batch.seq_lens_t.to(torch.int64)
         )
 
-    def forward(self, q, k, v, layer_id, batch):
+    def forward(self, q, k, v, layer_id, batch, stored=False):
         if not batch.is_decode:
-            return super().forward(q, k, v, layer_id, batch)
+            return super().forward(q, k, v, layer_id, batch, stored)
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
-        kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        if not stored:
+            kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         meta: CpuDecodeMetadata = batch.attn_metadata
         return cpu_kernels.decode_attention(
             q, k_cache, v_cache, self.page_table, meta.rows, meta.lens, self.scale

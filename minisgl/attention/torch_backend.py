@@ -50,11 +50,12 @@ class TorchAttnBackend(BaseAttnBackend):
             start += extend
         batch.attn_metadata = TorchAttnMetadata(rows, None, segments)
 
-    def forward(self, q, k, v, layer_id, batch):
+    def forward(self, q, k, v, layer_id, batch, stored=False):
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
-        kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        if not stored:
+            kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         meta: TorchAttnMetadata = batch.attn_metadata
-        gqa = q.shape[1] != k.shape[1]
+        gqa = q.shape[1] != k_cache.shape[1]
         if batch.is_decode:
             idx = meta.kv_indices.flatten()  # index_select is several times faster than k_cache[idx]
             shape = (*meta.kv_indices.shape, *k_cache.shape[1:])

@@ -290,10 +290,14 @@ class TritonAttnBackend(BaseAttnBackend):
                                                    max(batch.extend_lens))
 
     # ---- compute ---------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: Batch) -> torch.Tensor:
+    def kv_from_pool(self, batch: Batch) -> bool:
+        return True  # both kernels read every key, the new ones included, from the pool
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, layer_id: int, batch: Batch,
+                stored: bool = False) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
-        triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        if not stored:
+            triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, batch.attn_metadata)

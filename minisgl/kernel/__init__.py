@@ -132,23 +132,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ref.silu_and_mul(x)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 kv_store: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Rotary on q and k. kv_store = (k_cache, v_cache, out_loc, v): also store the rotated k and v into
+    the KV pool rows out_loc (one kernel on a GPU) and return (q, None)."""
     if cpu.elementwise_ok(q, k, cos_sin_cache) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
-        return cpu.apply_rotary(q, k, positions, cos_sin_cache)  # in place
+        return _then_store(*cpu.apply_rotary(q, k, positions, cos_sin_cache), kv_store)  # in place
     ops = _triton_ops() if _on_gpu(q) else None
     if ops is not None and hasattr(ops, "apply_rotary"):
-        return ops.apply_rotary(q, k, positions, cos_sin_cache)
-    return ref.apply_rotary(q, k, positions, cos_sin_cache)
+        return ops.apply_rotary(q, k, positions, cos_sin_cache, kv_store)
+    return _then_store(*ref.apply_rotary(q, k, positions, cos_sin_cache), kv_store)
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                   positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over each head of q and k, then rotary (Qwen3): one kernel on a GPU."""
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   kv_store: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """RMSNorm over each head of q and k, then rotary (Qwen3): one kernel on a GPU; kv_store as in
+    apply_rotary."""
     ops = _triton_ops() if _on_gpu(q) else None
     if ops is not None and hasattr(ops, "qk_norm_rotary"):
-        return ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
-    return ref.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+        return ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store)
+    return _then_store(*ref.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache), kv_store)
+
+
+def _then_store(q: torch.Tensor, k: torch.Tensor, kv_store: Optional[tuple]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if kv_store is None:
+        return q, k
+    k_cache, v_cache, out_loc, v = kv_store
+    store_kv(k_cache, v_cache, out_loc, k, v)
+    return q, None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,

@@ -173,10 +173,13 @@ def _rotate_heads(x_ptr, out_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot, s
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, eps, stride_qt,
                    stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
-                   Hq, Hk, D, HALF, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   v_ptr, v_cache_ptr, loc_ptr, stride_vt, stride_vh, stride_ct, stride_ch, Hq, Hk, D, HALF,
+                   NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rotates the first 2*HALF dims of every q and k head (neox layout: dim d
-    pairs with d + HALF) and copies the rest; NORM: RMSNorm each head first (Qwen3's q/k norm)."""
+    pairs with d + HALF) and copies the rest; NORM: RMSNorm each head first (Qwen3's q/k norm).
+    STORE: the rotated k goes straight into the KV pool row loc[token] (k_out_ptr is the K cache) and v
+    is copied into the V cache there, so no separate KV-store kernel runs."""
     gdc_begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -191,12 +194,24 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_p
     sign = tl.where(first, -1.0, 1.0)
     _rotate_heads(q_ptr, q_out_ptr, q_w_ptr, eps, stride_qt, stride_qh, stride_qot, stride_qoh, token, Hq, cos,
                   sin, partner, sign, D, NORM, BLOCK_HQ, BLOCK_D)
-    _rotate_heads(k_ptr, k_out_ptr, k_w_ptr, eps, stride_kt, stride_kh, stride_kot, stride_koh, token, Hk, cos,
-                  sin, partner, sign, D, NORM, BLOCK_HK, BLOCK_D)
+    if STORE:
+        slot = tl.load(loc_ptr + token).to(tl.int64)  # int64: slot * row size overflows int32 in large pools
+        # the K cache row of this token stands in for k_out[token] (a token stride of 0)
+        _rotate_heads(k_ptr, k_out_ptr + slot * stride_ct, k_w_ptr, eps, stride_kt, stride_kh, 0, stride_ch, token,
+                      Hk, cos, sin, partner, sign, D, NORM, BLOCK_HK, BLOCK_D)
+        heads = tl.arange(0, BLOCK_HK)
+        mask = (heads[:, None] < Hk) & (dims[None, :] < D)
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(v_cache_ptr + slot * stride_ct + heads[:, None] * stride_ch + dims[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, k_w_ptr, eps, stride_kt, stride_kh, stride_kot, stride_koh, token, Hk, cos,
+                      sin, partner, sign, D, NORM, BLOCK_HK, BLOCK_D)
 
 
 def _rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+            kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary needs a unit stride on the head dim"
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -204,30 +219,41 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
     assert 2 * half <= D and cos_sin_cache.stride(-1) == 1
     norm = q_weight is not None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if kv_store is not None:
+        k_cache, v_cache, out_loc, v = kv_store
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and v.stride(-1) == 1
+        k_out, stride_kot, stride_koh = k_cache, 0, k_cache.stride(1)
+        v_args = (v, v_cache, out_loc, v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1))
+    else:
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        stride_kot, stride_koh = k_out.stride(0), k_out.stride(1)
+        v_args = (k, k, positions, 0, 0, 0, 0)  # unused without STORE
     if T:
         _rotary_kernel[(T,)](q, k, q_out, k_out, positions, cos_sin_cache, q_weight if norm else q,
                              k_weight if norm else k, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-                             cos_sin_cache.stride(0), Hq, Hk, D, half, NORM=norm,
+                             q_out.stride(0), q_out.stride(1), stride_kot, stride_koh, cos_sin_cache.stride(0),
+                             *v_args, Hq, Hk, D, half, NORM=norm, STORE=kv_store is not None,
                              BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
                              BLOCK_D=triton.next_power_of_2(D), PDL=pdl(q), num_warps=4, **launch_opts(q))
-    return q_out, k_out
+    return q_out, (None if kv_store is not None else k_out)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Neox rotary on q [T, Hq, D] and k [T, Hk, D] (new tensors, like the reference); the cache is
-    [max_pos, rot_dim] float32 (cos | sin halves) and rot_dim may be smaller than D."""
-    return _rotary(q, k, positions, cos_sin_cache, None, None, 0.0)
+    [max_pos, rot_dim] float32 (cos | sin halves) and rot_dim may be smaller than D.
+    kv_store = (k_cache, v_cache, out_loc, v): write the rotated k and v into the pool rows out_loc
+    instead of returning k (returns (q, None)), as reference.store_kv would."""
+    return _rotary(q, k, positions, cos_sin_cache, None, None, 0.0, kv_store)
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                   positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over each head of q and k (weights [D]), then rotary, in one launch: as
-    reference.qk_norm_rotary."""
+    reference.qk_norm_rotary; kv_store as in apply_rotary."""
     assert q_weight.shape == k_weight.shape == (q.shape[-1],)
-    return _rotary(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+    return _rotary(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, kv_store)
 
 
 # ---- KV store ------------------------------------------------------------------------------------------

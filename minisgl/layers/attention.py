@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -15,8 +17,18 @@ class AttentionLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; the backend stores k/v into the pool first."""
+    def kv_store(self, v: torch.Tensor) -> Optional[tuple]:
+        """(k_cache, v_cache, out_loc, v) of this layer when the backend reads the new K/V from the pool
+        only, so the rotary kernel may write them there itself (then call forward with stored=True);
+        None when the backend stores them."""
         ctx = get_global_ctx()
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        if not ctx.attn_backend.kv_from_pool(ctx.batch):
+            return None
+        return ctx.kv_pool.k(self.layer_id), ctx.kv_pool.v(self.layer_id), ctx.batch.out_loc, v
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; the backend stores k/v into the pool first, unless
+        they are there already (stored; k may then be None)."""
+        ctx = get_global_ctx()
+        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, stored=stored)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

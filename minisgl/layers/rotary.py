@@ -46,10 +46,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: Optional[nn.Module] = None,
-                k_norm: Optional[nn.Module] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                k_norm: Optional[nn.Module] = None,
+                kv_store: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Rotary on q [T, Hq, D] and k [T, Hk, D]; with q_norm/k_norm (RMSNorms over head_dim), normalise
-        each head first, in the same kernel."""
+        each head first, in the same kernel. kv_store = (k_cache, v_cache, out_loc, v): write the rotated
+        k and v into the KV pool instead of returning k (see kernel.apply_rotary)."""
         if q_norm is None:
-            return kernel.apply_rotary(q, k, positions, self.cos_sin_cache)
+            return kernel.apply_rotary(q, k, positions, self.cos_sin_cache, kv_store)
         assert k_norm is not None and q_norm.eps == k_norm.eps
-        return kernel.qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
+        return kernel.qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache,
+                                     kv_store)

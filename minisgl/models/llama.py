@@ -43,11 +43,12 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         positions = get_global_ctx().batch.positions
+        store = self.attn.kv_store(v)  # where the backend lets the rotary kernel write the new K/V itself
         if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, in the rotary kernel
-            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm, kv_store=store)
         else:
-            q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v)), residual
+            q, k = self.rotary(positions, q, k, kv_store=store)
+        return self.o_proj(self.attn(q, k, v, stored=store is not None)), residual
 
 
 class LlamaMLP(nn.Module):

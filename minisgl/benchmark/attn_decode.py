@@ -1,0 +1,68 @@
+"""Time the Triton split-KV decode attention alone at Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128,
+bf16), over a pool whose slots are randomly permuted (decode tokens of many requests interleave in the
+pool), for a few launch configurations.
+
+python -m minisgl.benchmark.attn_decode --batch 64 --context 1500
+Prints microseconds per layer (one layer = one store + split + merge) and the K/V bytes read per second."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from minisgl.attention.base import AttnConfig
+from minisgl.attention.triton_backend import TritonAttnBackend
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kvcache.pool import KVPool
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 8, 128, 4
+# (BLOCK_N, num_warps, (stages with several splits, stages with one)) to compare
+CONFIGS = [(64, 4, (2, 2)), (64, 4, (3, 3)), (64, 4, (4, 4)), (128, 8, (3, 3)), (32, 4, (3, 3))]
+
+
+def _setup(bs: int, ctx: int, device: torch.device):
+    pool = KVPool(LAYERS, bs * ctx + 16, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
+    pool.k_buffer.normal_()
+    pool.v_buffer.normal_()
+    max_seq = max(4096, ctx)
+    table = torch.zeros(bs + 1, max_seq, dtype=torch.int32, device=device)
+    table[:bs, :ctx] = torch.randperm(bs * ctx, device=device).to(torch.int32).view(bs, ctx)
+    batch = Batch([Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [ctx - 1] * bs, [1] * bs, [True] * bs)
+    batch.table_idx = torch.arange(bs, dtype=torch.int32, device=device)
+    batch.seq_lens_t = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+    batch.out_loc = table[:bs, ctx - 1].clone()
+    return AttnConfig(HEADS, KV_HEADS, HEAD_DIM, max_seq, device, torch.bfloat16), pool, table, batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1500)
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    cfg, pool, table, batch = _setup(args.batch, args.context, device)
+    q = torch.randn(args.batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    k = torch.randn(args.batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    gb = args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
+    for block_n, warps, stages in CONFIGS:
+        backend = TritonAttnBackend(cfg, pool, table)
+        backend.decode_block_n, backend.decode_launch = block_n, {"num_warps": warps, "num_stages": stages}
+        backend.prepare_metadata(batch)
+        for i in range(3):
+            backend.forward(q, k, v, i % LAYERS, batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(args.repeat):
+            backend.forward(q, k, v, i % LAYERS, batch)
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) / args.repeat * 1e3
+        print(f"batch {args.batch} x {args.context} keys, {batch.attn_metadata.num_splits} splits, BLOCK_N {block_n}, "
+              f"{warps} warps, stages {stages}: {us:.1f} us a layer ({gb / us * 1e3:.2f} TB/s of K/V)")
+
+
+if __name__ == "__main__":
+    main()
