@@ -131,6 +131,13 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, tiny_model_
         assert supported in str(err.value)
 
 
+@pytest.mark.parametrize("attn,library", [("fi", "FlashInfer"), ("fa", "FlashAttention"), ("nope", None)])
+def test_unavailable_attention_backend_raises_naming_the_supported_ones(tiny_model_dirs, attn, library):
+    with pytest.raises(ValueError, match=library or "unknown attention backend") as err:
+        LLM(tiny_model_dirs[ARCH], **tiny_llm_kwargs(attn=attn))
+    assert "torch" in str(err.value) and "triton" in str(err.value)
+
+
 def test_unsupported_real_architecture_raises_value_error(tmp_path):
     """A real checkpoint of an unsupported family (GPT-2: no rms_norm_eps, no rope) is rejected by name,
     not by an AttributeError deep inside the config reader."""

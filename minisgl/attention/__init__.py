@@ -32,10 +32,17 @@ def _register_optional() -> None:
         pass
 
 
+# names other engines use for library backends this build does not provide
+_NOT_BUILT = {"fi": "FlashInfer", "fa": "FlashAttention"}
+
+
 def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """`auto`: triton on CUDA (when importable); cpu on a CPU in float32 where its C kernel builds; torch
     elsewhere."""
     _register_optional()
+    if name in _NOT_BUILT and name not in ATTN_BACKENDS:
+        raise ValueError(f"attention backend {name!r} ({_NOT_BUILT[name]}) is not available in this build; "
+                         f"supported: {', '.join(ATTN_BACKENDS.names())} (triton is the fast path on GPUs)")
     if name != "auto":
         return name
     if device.type == "cuda" and "triton" in ATTN_BACKENDS:
