@@ -64,6 +64,24 @@ def test_linear_matches_float64(rows, out_features, in_features, bias):
     torch.testing.assert_close(kernel.linear(x, w, b), expected, atol=1e-4, rtol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_half_precision_linear_is_the_float64_product_rounded_once(dtype, rows):
+    """bf16/fp16 on a CPU: exact products summed in float32 (as a half-precision GEMM accumulates), the
+    result rounded to the dtype once; checked against the float64 product rounded to the dtype."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (torch.randn(130, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(130, generator=g).to(dtype)
+    got = kernel.linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, 130)
+    exact = F.linear(x.double(), w.double(), b.double())
+    # float32 accumulation may land one rounding step of the dtype away from the exact product
+    step = (exact.abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)).clamp_min(1e-3)
+    assert ((got.double() - exact).abs() <= step).all()
+
+
 def test_linear_follows_weight_updates():
     """The packed copy of a weight is rebuilt when the weight is written in place."""
     w = torch.randn(16, 8)

@@ -16,6 +16,7 @@ from . import reference as ref
 
 _TRITON_ENABLED = True
 _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def use_triton(enabled: bool) -> None:
@@ -41,9 +42,19 @@ def _on_gpu(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x W^T (+ b). On a CPU in float32 the weight is packed once (kept on the tensor, redone if it
     is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both are
-    measured faster than MKL's GEMM at decode's row counts (the 49,152-wide LM head most of all)."""
+    measured faster than MKL's GEMM at decode's row counts (the 49,152-wide LM head most of all). On a
+    CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once."""
     if x.is_cuda:
         return _gpu_linear(x, weight, bias)
+    if (x.device.type == "cpu" and x.dtype in _HALF and weight.dtype == x.dtype and _CPU_PACKED_LINEAR
+            and cpu.linear_available()):
+        # Most CPUs have no bf16/fp16 arithmetic (torch's half matmuls run ~16x slower than float32). A
+        # half-precision GEMM multiplies exactly upcast inputs and accumulates in float32, so the float32
+        # kernel on upcast inputs, rounded once at the end, computes the same thing at float32 speed.
+        packed = _cpu_packed_weight(weight)
+        if packed is not None:
+            y = cpu.linear(x.float(), packed, weight.shape[0], None if bias is None else bias.float())
+            return y.to(x.dtype)
     if x.device.type == "cpu" and x.dtype == torch.float32 and _CPU_PACKED_LINEAR:
         packed = _cpu_packed_weight(weight)
         if packed is not None and cpu.linear_available():
@@ -62,7 +73,7 @@ def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
         return cached[1]
     try:
         if cpu.linear_available():
-            packed = cpu.pack_weight(weight)
+            packed = cpu.pack_weight(weight.float())  # half weights: upcast exactly, once
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
     except (AttributeError, RuntimeError):
