@@ -147,3 +147,47 @@ def test_store_kv_matches_reference():
     cpu_kernels.store_kv(caches[0], caches[1], loc, k, v)
     ref.store_kv(caches[2], caches[3], loc, k, v)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+# ---- half precision through the float32 kernels ----------------------------------------------------------------
+@needs_kernels
+def test_bf16_model_keeps_a_float32_kv_pool_and_decodes_like_the_torch_backend():
+    """A bf16 model on a CPU: `auto` picks the cpu backend over a float32 pool (bf16 K/V stored exactly);
+    its decode (query upcast, output rounded once) equals the torch backend's bf16 SDPA on the same keys."""
+    from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
+    from minisgl.attention.cpu_backend import CpuAttnBackend
+    from minisgl.attention.torch_backend import TorchAttnBackend
+    from minisgl.core import Batch, Req, SamplingParams
+    from minisgl.kvcache.pool import KVPool
+
+    cpu = torch.device("cpu")
+    assert kv_cache_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert kv_cache_dtype("torch", cpu, torch.bfloat16) == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    lens, Hq, Hkv, D = [5, 40, 17], 6, 2, 64
+    cfg = AttnConfig(Hq, Hkv, D, 64, cpu, torch.bfloat16)
+    pool = KVPool(1, 70, 1, Hkv, D, torch.float32, cpu)
+    pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=g).bfloat16().float())
+    pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, generator=g).bfloat16().float())
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    slots = torch.randperm(69, generator=g).to(torch.int32)
+    start = 0
+    for row, n in enumerate(lens):
+        table[row, :n] = slots[start:start + n]
+        start += n
+    batch = Batch([Req(i, [0], SamplingParams()) for i in range(3)], "decode", [n - 1 for n in lens], [1] * 3,
+                  [True] * 3)
+    batch.table_idx = torch.arange(3, dtype=torch.int32)
+    batch.seq_lens_t = torch.tensor(lens, dtype=torch.int32)
+    batch.out_loc = torch.stack([table[r, n - 1] for r, n in enumerate(lens)])
+    q = torch.randn(3, Hq, D, generator=g).bfloat16()
+    k, v = pool.k_buffer[0, batch.out_loc.long()].bfloat16(), pool.v_buffer[0, batch.out_loc.long()].bfloat16()
+    backend = create_attn_backend("auto", cfg, pool, table)
+    assert isinstance(backend, CpuAttnBackend)
+    backend.prepare_metadata(batch)
+    got = backend.forward(q, k, v, 0, batch)
+    reference = TorchAttnBackend(cfg, pool, table)
+    reference.prepare_metadata(batch)
+    want = reference.forward(q, k, v, 0, batch)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -37,8 +37,7 @@ _NOT_BUILT = {"fi": "FlashInfer", "fa": "FlashAttention"}
 
 
 def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """`auto`: triton on CUDA (when importable); cpu on a CPU in float32 where its C kernel builds; torch
-    elsewhere."""
+    """`auto`: triton on CUDA (when importable); cpu on a CPU where its C kernel builds; torch elsewhere."""
     _register_optional()
     if name in _NOT_BUILT and name not in ATTN_BACKENDS:
         raise ValueError(f"attention backend {name!r} ({_NOT_BUILT[name]}) is not available in this build; "
@@ -47,9 +46,16 @@ def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None
         return name
     if device.type == "cuda" and "triton" in ATTN_BACKENDS:
         return "triton"
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_kernels.available():
         return "cpu"
     return "torch"
+
+
+def kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: the model's, except float32 under the cpu backend, whose C decode kernel reads
+    float32 (half-precision K/V are stored exactly, upcast)."""
+    names = [resolve_attn_name(n.strip(), device, dtype) for n in name.split(",")]
+    return torch.float32 if "cpu" in names else dtype
 
 
 def create_attn_backend(name: str, config: AttnConfig, kv_pool: "KVPool",
@@ -63,4 +69,5 @@ def create_attn_backend(name: str, config: AttnConfig, kv_pool: "KVPool",
     return ATTN_BACKENDS.get(resolve_attn_name(name, config.device, config.dtype))(config, kv_pool, page_table)
 
 
-__all__ = ["AttnConfig", "BaseAttnBackend", "ATTN_BACKENDS", "create_attn_backend", "resolve_attn_name"]
+__all__ = ["AttnConfig", "BaseAttnBackend", "ATTN_BACKENDS", "create_attn_backend", "kv_cache_dtype",
+           "resolve_attn_name"]

@@ -1,7 +1,8 @@
 """The CPU backend: the torch backend, with decode through the C kernel of kernel/cpu.py, which reads
 each request's K/V rows through the page table where they lie instead of gathering them into a padded
-copy first (3-4x less time per layer at W3's batch of 32). Float32 only; `auto` picks it on CPUs where the
-kernel builds."""
+copy first (3-4x less time per layer at W3's batch of 32). The KV pool is float32 (`kv_cache_dtype`); a
+bf16/fp16 model stores its K/V there exactly and attends with its query upcast, the output rounded to the
+model's dtype once. `auto` picks it on CPUs where the kernel builds."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ class CpuDecodeMetadata:
 class CpuAttnBackend(TorchAttnBackend):
     def __init__(self, config, kv_pool, page_table) -> None:
         super().__init__(config, kv_pool, page_table)
-        if config.device.type != "cpu" or config.dtype != torch.float32 or not cpu_kernels.available():
+        if config.device.type != "cpu" or kv_pool.k_buffer.dtype != torch.float32 or not cpu_kernels.available():
             raise ValueError(
-                "the cpu attention backend needs float32 on a CPU and a C compiler "
+                "the cpu attention backend needs a CPU, a float32 KV pool and a C compiler "
                 "(use --attn torch otherwise)"
             )
 
@@ -48,6 +49,7 @@ class CpuAttnBackend(TorchAttnBackend):
         if not stored:
             kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         meta: CpuDecodeMetadata = batch.attn_metadata
-        return cpu_kernels.decode_attention(
-            q, k_cache, v_cache, self.page_table, meta.rows, meta.lens, self.scale
+        out = cpu_kernels.decode_attention(
+            q.float(), k_cache, v_cache, self.page_table, meta.rows, meta.lens, self.scale
         )
+        return out.to(q.dtype)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from minisgl.attention import AttnConfig, create_attn_backend
+from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import init_process_group, set_tp_info
 from minisgl.kvcache import KVPool
@@ -81,9 +81,10 @@ class Engine:
         attn_cfg = AttnConfig(num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
                               head_dim=cfg.head_dim, max_seq_len=self.max_seq_len, device=self.device,
                               dtype=self.dtype)
+        self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype)
         self.num_pages = self._plan_pages(attn_cfg)
         self.kv_pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, attn_cfg.num_kv_heads,
-                              cfg.head_dim, self.dtype, self.device)  # +1: dummy page for graph padding
+                              cfg.head_dim, self.kv_dtype, self.device)  # +1: dummy page for graph padding
         rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
         self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
@@ -119,7 +120,7 @@ class Engine:
 
     def _plan_pages(self, attn_cfg: AttnConfig) -> int:
         cfg, page = self.model_config, self.config.page_size
-        per_page = KVPool.bytes_per_page(cfg.num_layers, page, attn_cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_page = KVPool.bytes_per_page(cfg.num_layers, page, attn_cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         if self.config.num_pages:
             num = self.config.num_pages
         elif is_cuda(self.device):
