@@ -168,11 +168,11 @@ class Scheduler:
             req.table_len = end
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
+        prefill_parts = (torch.cat(pt_rows), torch.cat(pt_pos), torch.cat(pt_slots),
+                         [plan.reqs[i].table_idx for i in sampled], ends[sampled].to(torch.int32),
+                         torch.from_numpy(np.concatenate(input_ids)))
         self._to_device(batch, torch.cat(positions), torch.cat(out_loc),
-                        (torch.cat(pt_rows), torch.cat(pt_pos), torch.cat(pt_slots)),
-                        torch.from_numpy(np.concatenate(input_ids)), logits_idx=ends[sampled].to(torch.int32),
-                        sample_rows=[plan.reqs[i].table_idx for i in sampled],
-                        sample_pos=[plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled])
+                        [plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled], prefill_parts)
         for req, prefix, extend, s in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, sample_mask):
             req.cached_len = prefix + extend
             req.device_len = req.cached_len + 1 if s else req.cached_len
@@ -205,7 +205,7 @@ class Scheduler:
         batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
         for r in reqs:
             r.table_len = r.cached_len + 1
-        self._to_device(batch, positions, out_loc, None, None, None, None, sample_pos=[p + 1 for p in positions])
+        self._to_device(batch, positions, out_loc, [p + 1 for p in positions])
         for r in reqs:
             r.cached_len += 1
             r.device_len += 1
@@ -227,24 +227,22 @@ class Scheduler:
             self.table.free(req.table_idx)
             req.table_idx, req.table_len = -1, 0
 
-    def _to_device(self, batch: Batch, positions, out_loc, page_table_writes, input_ids, logits_idx, sample_rows,
-                   sample_pos: List[int]) -> None:
+    def _to_device(self, batch: Batch, positions, out_loc, sample_pos: List[int],
+                   prefill_parts: Optional[tuple] = None) -> None:
         """Pack the step's integers (lists or int32 tensors) into one pinned buffer, copy it to the device
-        in one go, and fill in the batch's device tensors. A decode batch (no page-table writes, sample
-        rows, input ids or logits rows given) starts with its four per-request rows, equally long, so they
-        form one [4, n] view for the graph runner; its page-table writes are (table_idx, positions,
-        out_loc) and its input ids come from the token pool, both done by the engine."""
+        in one go, and fill in the batch's device tensors. A prefill batch also brings `prefill_parts`:
+        page-table (rows, positions, slots), sample rows, logits rows and input ids. A decode batch starts
+        with its four per-request rows, equally long, so they form one [4, n] view for the graph runner;
+        its page-table writes are (table_idx, positions, out_loc) and its input ids come from the token
+        pool, both done by the engine."""
         table_idx = [r.table_idx for r in batch.reqs]
-        decode = page_table_writes is None
-        parts = [positions, out_loc, table_idx, batch.seq_lens, sample_pos]
-        if not decode:
-            parts += [*page_table_writes, sample_rows, logits_idx, input_ids]
+        parts = [positions, out_loc, table_idx, batch.seq_lens, sample_pos, *(prefill_parts or ())]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
         dev, offsets = self._staging.pack(parts)
         views = [dev[off:off + len(p)] for off, p in zip(offsets, parts)]
         batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t, batch.sample_pos = views[:5]
-        if decode:
+        if prefill_parts is None:
             n, m = batch.size, offsets[1]
             batch.graph_inputs = dev[:4 * m].view(4, m)[:, :n]
             batch.sample_table_idx = batch.table_idx
