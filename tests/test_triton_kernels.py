@@ -311,6 +311,47 @@ def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sm
     assert (meta.mid_o is None) == (want == 1)  # one split writes the output directly
 
 
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("num_sms", [1, 1000])  # one split (direct output) and one split per key block
+@pytest.mark.parametrize("rot_dim", [HEAD_DIM, 16])  # 16: partial rotary
+def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(norm, num_sms, rot_dim):
+    """With a Rope the decode kernel takes the projection's raw q/k/v: the pool rows of the new tokens
+    get the rotated k (as the rotary kernel computes it) and v, no other row changes, and the output is
+    attention over the pool with the rotated q (naive reference on reference-rotated q)."""
+    from minisgl.attention.base import Rope
+
+    seq_lens = [1, 23, 50]
+    setup = PagedSetup(4, 4, 2, seq_lens)
+    batch = setup.batch("decode", [n - 1 for n in seq_lens], [1] * 3)
+    B, Hq, Hk, D = 3, 4, 2, HEAD_DIM
+    qkv = _randn(B, (Hq + 2 * Hk) * D, seed=11)
+    q = qkv[:, : Hq * D].view(B, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hk) * D].view(B, Hk, D)
+    v = qkv[:, (Hq + Hk) * D:].view(B, Hk, D)
+    q_w, k_w = (_randn(D, seed=12), _randn(D, seed=13)) if norm else (None, None)
+    cache = _randn(MAX_SEQ, rot_dim, seed=14)
+    weights = (q_w, k_w, 1e-6) if norm else ()
+    want_q, want_k = (ref.qk_norm_rotary if norm else ref.apply_rotary)(q, k, *weights, batch.positions, cache)
+    _, kernel_k = (triton_ops.qk_norm_rotary if norm else triton_ops.apply_rotary)(q, k, *weights, batch.positions,
+                                                                                   cache)
+    k_before, v_before = setup.pool.k(0).clone(), setup.pool.v(0).clone()
+    backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
+    backend.num_sms = num_sms
+    backend.prepare_metadata(batch)
+    assert backend.fuses_rope(batch)
+    out = backend.forward(q, k, v, 0, batch, rope=Rope(batch.positions, cache, q_w, k_w, 1e-6))
+    rows = batch.out_loc.long()
+    assert torch.equal(setup.pool.k(0)[rows], kernel_k) and torch.equal(setup.pool.v(0)[rows], v)
+    torch.testing.assert_close(setup.pool.k(0)[rows], want_k, atol=1e-5, rtol=1e-5)
+    others = torch.ones(setup.pool.k(0).shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(setup.pool.k(0)[others], k_before[others])
+    assert torch.equal(setup.pool.v(0)[others], v_before[others])
+    want = naive_attention(want_q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows,
+                           batch.prefix_lens, batch.extend_lens, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
 def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     """Captured metadata fixes the split count for max_seq_len; shorter requests still attend exactly."""
     seq_lens = [3, 40]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, NamedTuple, Optional
 
 import torch
 
@@ -24,6 +24,17 @@ class AttnConfig:
     dtype: torch.dtype
 
 
+class Rope(NamedTuple):
+    """Rotary embedding for a backend that applies it inside attention (see fuses_rope): neox layout,
+    cos|sin table [max_pos, rot_dim] float32; q_weight/k_weight: Qwen3's per-head RMSNorm first."""
+
+    positions: torch.Tensor  # [T] position of each new token
+    cos_sin_cache: torch.Tensor
+    q_weight: Optional[torch.Tensor]
+    k_weight: Optional[torch.Tensor]
+    eps: float
+
+
 class BaseAttnBackend(ABC):
     """Prepare once per batch, then run once per layer."""
 
@@ -39,13 +50,18 @@ class BaseAttnBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, layer_id: int,
-                batch: "Batch", stored: bool = False) -> torch.Tensor:
+                batch: "Batch", stored: bool = False, rope: Optional[Rope] = None) -> torch.Tensor:
         """Store k/v [T, Hkv, D] at batch.out_loc (unless `stored`: an earlier kernel did), then attend
-        q [T, Hq, D] -> [T, Hq, D]."""
+        q [T, Hq, D] -> [T, Hq, D]. With `rope` (only where fuses_rope said so) q and k are not rotated
+        yet and the backend rotates them (and stores the rotated k)."""
 
     def kv_from_pool(self, batch: "Batch") -> bool:
         """Whether attention reads this batch's new K/V from the pool only, so an earlier kernel (rotary)
         may store them and forward runs with stored=True."""
+        return False
+
+    def fuses_rope(self, batch: "Batch") -> bool:
+        """Whether forward takes this batch's q/k unrotated, with a Rope, and rotates them itself."""
         return False
 
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
@@ -72,8 +88,11 @@ class HybridBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: "Batch") -> None:
         self._pick(batch).prepare_metadata(batch)
 
-    def forward(self, q, k, v, layer_id, batch, stored=False):
-        return self._pick(batch).forward(q, k, v, layer_id, batch, stored)
+    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None):
+        return self._pick(batch).forward(q, k, v, layer_id, batch, stored, rope)
+
+    def fuses_rope(self, batch: "Batch") -> bool:
+        return self._pick(batch).fuses_rope(batch)
 
     def kv_from_pool(self, batch: "Batch") -> bool:
         return self._pick(batch).kv_from_pool(batch)

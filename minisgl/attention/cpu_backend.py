@@ -42,7 +42,8 @@ class CpuAttnBackend(TorchAttnBackend):
             batch.table_idx.to(torch.int64), batch.seq_lens_t.to(torch.int64)
         )
 
-    def forward(self, q, k, v, layer_id, batch, stored=False):
+    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None):
+        assert rope is None, "this backend does not fuse rotary (fuses_rope is False)"
         if not batch.is_decode:
             return super().forward(q, k, v, layer_id, batch, stored)
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)

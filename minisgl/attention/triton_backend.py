@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import triton_ops
-from minisgl.kernel.triton_ops import gdc_begin
+from minisgl.kernel.triton_ops import gdc_begin, rope_consts, rope_rows
 from minisgl.utils.device import HostRing
 
-from .base import AttnConfig, BaseAttnBackend
+from .base import AttnConfig, BaseAttnBackend, Rope
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -43,13 +43,18 @@ _MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism g
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr,
                          mid_o_ptr, mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt,
                          stride_vh, stride_pt, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                         scale_log2, GROUP, D, NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                         scale_log2, GROUP, D, NUM_SPLITS, k_ptr, v_ptr, stride_kb, stride_knh, stride_vb,
+                         stride_vnh, loc_ptr, pos_ptr, cache_ptr, stride_cache, qw_ptr, kw_ptr, eps, HALF,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PRECISION: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
                          PDL: tl.constexpr):
     """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
     keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
     nothing (the merge reads only the splits that hold keys). DIRECT (one split): the output itself goes
-    to mid_o_ptr, in its dtype, and there is no merge."""
+    to mid_o_ptr, in its dtype, and there is no merge.
+    ROPE: q, k and v are the projection's raw outputs: q is rotated here (after a per-head RMSNorm when
+    NORM, Qwen3), and the split holding the new key rotates k and writes k and v into the pool row
+    loc[b] before reading its keys, so no rotary or KV-store kernel runs before this one."""
     gdc_begin(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,8 +73,26 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
     head_mask = offs_h < GROUP
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < D
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    if ROPE:
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        cos, sin, partner, sign = rope_consts(cache_ptr, stride_cache, pos, dims, HALF)
+        q = rope_rows(q_ptr + b.to(tl.int64) * stride_qb, heads, stride_qh, head_mask, qw_ptr, eps, cos, sin,
+                      partner, sign, dims, D, NORM).to(q_ptr.dtype.element_ty)
+        if end == seq_len:  # this split holds the new key: rotate it and store it (and v) first
+            slot = tl.load(loc_ptr + b).to(tl.int64)
+            one = tl.arange(0, 1)
+            k_new = rope_rows(k_ptr + b.to(tl.int64) * stride_kb, kv_head + one, stride_knh, one == 0, kw_ptr, eps,
+                              cos, sin, partner, sign, dims, D, NORM)
+            # k_new is [1, BLOCK_D]: one[:, None] (= 0) gives the pointers the same shape
+            tl.store(k_cache_ptr + slot * stride_kt + kv_head * stride_kh + one[:, None] + dims[None, :],
+                     k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_mask[None, :])
+            v_new = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kv_head * stride_vnh + dims, mask=dim_mask)
+            tl.store(v_cache_ptr + slot * stride_vt + kv_head * stride_vh + dims,
+                     v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
+            tl.debug_barrier()  # the stores are visible to every thread of the program before the loads below
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -293,18 +316,25 @@ class TritonAttnBackend(BaseAttnBackend):
     def kv_from_pool(self, batch: Batch) -> bool:
         return True  # both kernels read every key, the new ones included, from the pool
 
+    def fuses_rope(self, batch: Batch) -> bool:
+        return batch.is_decode  # the decode kernel rotates q and the new k and stores k/v itself
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, layer_id: int, batch: Batch,
-                stored: bool = False) -> torch.Tensor:
+                stored: bool = False, rope: Rope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+        if rope is not None:
+            assert batch.is_decode and not stored and k.stride(-1) == 1 and v.stride(-1) == 1
+            return self._decode(q, k_cache, v_cache, batch.attn_metadata, (rope, k, v, batch.out_loc))
         if not stored:
             triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
-        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, batch.attn_metadata)
         return self._extend(q, k_cache, v_cache, batch.attn_metadata)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TritonDecodeMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonDecodeMetadata,
+                fused: tuple | None = None) -> torch.Tensor:
+        """fused = (rope, k, v, out_loc): q, k, v are unrotated and the kernel rotates them and stores k/v."""
         bs, num_heads, head_dim = q.shape
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         block_d = triton.next_power_of_2(head_dim)
@@ -314,12 +344,23 @@ class TritonAttnBackend(BaseAttnBackend):
         dst = out[:, :, None, :] if direct else mid_o
         lse = out if direct else mid_lse  # unused when direct
         pdl = triton_ops.pdl(q)
+        if fused is not None:
+            rope, k, v, out_loc = fused
+            cache = rope.cos_sin_cache
+            norm = rope.q_weight is not None
+            rope_args = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), out_loc, rope.positions, cache,
+                         cache.stride(0), rope.q_weight if norm else q, rope.k_weight if norm else q, rope.eps,
+                         cache.shape[-1] // 2)
+        else:
+            norm = False
+            rope_args = (q, q, 0, 0, 0, 0, meta.seq_lens, meta.seq_lens, q, 0, q, q, 0.0, 0)  # unused
         _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
             q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, dst, lse,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             self.page_table.stride(0), dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0),
-            lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, BLOCK_H=block_h,
-            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, DIRECT=direct, PDL=pdl,
+            lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, *rope_args, BLOCK_H=block_h,
+            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, DIRECT=direct,
+            ROPE=fused is not None, NORM=norm, PDL=pdl,
             num_warps=self.decode_launch["num_warps"], num_stages=self.decode_launch["num_stages"][direct],
             **triton_ops.launch_opts(q))
         if direct:

@@ -147,16 +147,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---- Rotary embedding (optionally after a per-head RMSNorm) ---------------------------------------------
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot, stride_oh, token, num_heads, cos,
-                  sin, partner, sign, D, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[token, h, d] = x[d] * cos[d] + sign[d] * x[partner[d]] * sin[d] for every head h at once.
-    NORM: x is first RMS-normalised over each head and scaled by w, rounded as reference.rms_norm does."""
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_heads) & (dims[None, :] < D)
-    base = x_ptr + token * stride_xt + heads[:, None] * stride_xh
-    x = tl.load(base + dims[None, :], mask=mask, other=0.0)
-    xp = tl.load(base + partner[None, :], mask=mask, other=0.0)
+def rope_consts(cache_ptr, stride_cache, pos, dims, HALF):
+    """cos, sin, partner and sign of every dim at position pos (neox layout: dim d pairs with d + HALF;
+    dims past 2 * HALF get cos 1, sin 0 and themselves as partner, so rotation copies them)."""
+    rotated = dims < 2 * HALF
+    first = dims < HALF
+    freq = tl.where(first, dims, dims - HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + freq, mask=rotated, other=1.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + freq, mask=rotated, other=0.0)
+    partner = tl.where(rotated, tl.where(first, dims + HALF, dims - HALF), dims)
+    sign = tl.where(first, -1.0, 1.0)
+    return cos, sin, partner, sign
+
+
+@triton.jit
+def rope_rows(base, rows, stride_row, row_mask, w_ptr, eps, cos, sin, partner, sign, dims, D, NORM: tl.constexpr):
+    """Rows base[rows] ([R, D] head vectors) rotated: x[d] * cos[d] + sign[d] * x[partner[d]] * sin[d], in
+    float32 (the caller rounds). NORM: each row is first RMS-normalised and scaled by w, rounded as
+    reference.rms_norm does."""
+    mask = row_mask[:, None] & (dims[None, :] < D)
+    ptrs = base + rows[:, None] * stride_row
+    x = tl.load(ptrs + dims[None, :], mask=mask, other=0.0)
+    xp = tl.load(ptrs + partner[None, :], mask=mask, other=0.0)
     if NORM:
         dtype = x.dtype
         xf, xpf = x.to(tl.float32), xp.to(tl.float32)
@@ -165,9 +177,19 @@ def _rotate_heads(x_ptr, out_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot, s
         wp = tl.load(w_ptr + partner, mask=dims < D, other=0.0).to(tl.float32)
         x = (w[None, :] * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
         xp = (wp[None, :] * (xpf * rstd).to(dtype).to(tl.float32)).to(dtype)
-    out = x.to(tl.float32) * cos[None, :] + sign[None, :] * xp.to(tl.float32) * sin[None, :]
+    return x.to(tl.float32) * cos[None, :] + sign[None, :] * xp.to(tl.float32) * sin[None, :]
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot, stride_oh, token, num_heads, cos,
+                  sin, partner, sign, D, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[token, h] = rope_rows(x[token, h]) for every head h at once."""
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    out = rope_rows(x_ptr + token * stride_xt, heads, stride_xh, heads < num_heads, w_ptr, eps, cos, sin, partner,
+                    sign, dims, D, NORM)
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+             out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < num_heads) & (dims[None, :] < D))
 
 
 @triton.jit
@@ -184,14 +206,7 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_p
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
-    rotated = dims < 2 * HALF
-    first = dims < HALF
-    freq = tl.where(first, dims, dims - HALF)
-    cos = tl.load(cache_ptr + pos * stride_cache + freq, mask=rotated, other=1.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + freq, mask=rotated, other=0.0)
-    # dims past the rotary part: cos 1, sin 0, so they are copied unchanged
-    partner = tl.where(rotated, tl.where(first, dims + HALF, dims - HALF), dims)
-    sign = tl.where(first, -1.0, 1.0)
+    cos, sin, partner, sign = rope_consts(cache_ptr, stride_cache, pos, dims, HALF)
     _rotate_heads(q_ptr, q_out_ptr, q_w_ptr, eps, stride_qt, stride_qh, stride_qot, stride_qoh, token, Hq, cos,
                   sin, partner, sign, D, NORM, BLOCK_HQ, BLOCK_D)
     if STORE:

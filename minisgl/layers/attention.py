@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from minisgl.attention.base import Rope
 from minisgl.core import get_global_ctx
 
 
@@ -26,9 +27,15 @@ class AttentionLayer(nn.Module):
             return None
         return ctx.kv_pool.k(self.layer_id), ctx.kv_pool.v(self.layer_id), ctx.batch.out_loc, v
 
-    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, stored: bool = False) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; the backend stores k/v into the pool first, unless
-        they are there already (stored; k may then be None)."""
+    def fuses_rope(self) -> bool:
+        """Whether the backend applies rotary itself for this batch (then pass q/k unrotated and a Rope)."""
         ctx = get_global_ctx()
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, stored=stored)
+        return ctx.attn_backend.fuses_rope(ctx.batch)
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, stored: bool = False,
+                rope: Optional[Rope] = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; the backend stores k/v into the pool first, unless
+        they are there already (stored; k may then be None). rope: q/k are unrotated (see fuses_rope)."""
+        ctx = get_global_ctx()
+        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, stored=stored, rope=rope)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

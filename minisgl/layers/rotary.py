@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minisgl import kernel
+from minisgl.attention.base import Rope
 
 
 def _inv_freq(rot_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
@@ -56,3 +57,11 @@ class RotaryEmbedding(nn.Module):
         assert k_norm is not None and q_norm.eps == k_norm.eps
         return kernel.qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache,
                                      kv_store)
+
+    def spec(self, positions: torch.Tensor, q_norm: Optional[nn.Module] = None,
+             k_norm: Optional[nn.Module] = None) -> Rope:
+        """What forward would apply, for an attention backend that rotates q/k inside its kernel."""
+        if q_norm is None:
+            return Rope(positions, self.cos_sin_cache, None, None, 0.0)
+        assert k_norm is not None and q_norm.eps == k_norm.eps
+        return Rope(positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
