@@ -21,6 +21,8 @@ def _run(model: str, prompts, n: int, **kwargs):
     with make_llm(model, show_progress=False, **kwargs) as llm:
         outs = llm.generate(prompts, params)
         llm.scheduler.check_integrity()
+        graphs = llm.scheduler.engine.prefill_graphs
+        assert (graphs is not None and graphs.replays > 0) == (kwargs.get("cuda_graph_max_bs") != 0)
     return outs
 
 
@@ -64,4 +66,17 @@ def test_fast_path_equals_reference_qwen3_06b_bf16():
     # bf16 logits of these random weights are tens in size, so one bf16 rounding step is 0.06-0.25: two
     # attention kernels that round differently may swap tokens whose top-2 gap is within a few such steps
     # (a 1e-3 criterion is below bf16 resolution here). Measured first differences: gaps 0.03-0.31.
+    _assert_same_greedy(fast, ref, tie=0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_path_equals_reference_one_request_at_a_time_qwen3_06b_bf16():
+    """Batch size 1 (W2's shape): decode through the GEMVs, with the attention's split merge inside the
+    output projection, gives the reference path's greedy tokens (bf16 near-ties allowed as above)."""
+    model = os.path.join(CONFIGS, "qwen3-0.6b")
+    prompts = [random_prompt(n, 151936, seed=n) for n in (128, 700)]
+    common = dict(dtype=torch.bfloat16, load_format="dummy", num_page_override=4096, max_seq_len_override=2048,
+                  max_running_req=1)
+    ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
+    fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=1, overlap=True, **common)
     _assert_same_greedy(fast, ref, tie=0.5)

@@ -3,6 +3,7 @@
 Without CUDA they run on CPU tensors under TRITON_INTERPRET=1 (small tiles, so short sequences still cross
 several tiles and splits); on a CUDA host the same tests run the compiled kernels on the GPU."""
 
+import math
 import os
 
 import pytest
@@ -176,6 +177,49 @@ def test_gemv_add_rms_norm_matches_norm_then_linear(tiles, dtype, with_residual)
     _close_norm(y, torch.nn.functional.linear(normed.float(), w.float(), b.float()), dtype)
 
 
+@pytest.mark.parametrize("tiles", [(4, 16), None])  # K = 4 heads x 10 dims: the (4, 16) blocks cut heads
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_merged_equals_merging_the_splits_then_linear(tiles, bias):
+    """The output projection that merges a one-request split-KV decode output as it reads it: the splits
+    that hold keys (seq_len 50 over 8 splits of whole 16-key blocks: 4 of them) weighted by their
+    log-sum-exps; the empty ones hold NaN and must not be read."""
+    from minisgl.kernel import SplitAttention
+
+    Hq, S, D, N = 4, 8, 10, 37
+    mid_o = _randn(1, Hq, S, D, seed=3)
+    mid_lse = _randn(1, Hq, S, seed=4) * 3
+    mid_o[:, :, 4:], mid_lse[:, :, 4:] = float("nan"), float("nan")
+    seq_lens = torch.tensor([50], dtype=torch.int32, device=DEVICE)
+    w = _randn(N, Hq * D, dtype=torch.bfloat16, seed=5)
+    b = _randn(N, dtype=torch.bfloat16, seed=6) if bias else None
+    weights = torch.softmax(mid_lse[0, :, :4] * math.log(2), dim=-1)  # 2^lse, normalised
+    merged = (weights[:, :, None] * mid_o[0, :, :4]).sum(1).to(torch.bfloat16).view(1, -1)
+    want = torch.nn.functional.linear(merged.float(), w.float(), None if b is None else b.float())
+    parts = SplitAttention(mid_o, mid_lse, seq_lens, S, 16, torch.bfloat16, lambda: None)
+    assert triton_ops.gemv_merge_fits(parts, w)
+    _close_norm(triton_ops.gemv_merged(parts, w, b, tiles=tiles), want, torch.bfloat16)
+
+
+def test_decode_defers_the_merge_of_one_request_to_linear():
+    """defer_merge at batch size 1 with several splits: a SplitAttention, and kernel.linear of it equals
+    linear of the merged output (float32: through the merge kernel, bit for bit)."""
+    from minisgl import kernel
+    from minisgl.kernel import SplitAttention
+
+    setup = PagedSetup(4, 4, 2, [70])
+    batch = setup.batch("decode", [69], [1])
+    backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
+    backend.num_sms = 1000  # one split per key block
+    backend.prepare_metadata(batch)
+    q = _randn(1, 4, HEAD_DIM, seed=7)
+    k, v = _randn(1, 2, HEAD_DIM, seed=8), _randn(1, 2, HEAD_DIM, seed=9)
+    w = _randn(11, 4 * HEAD_DIM, seed=10)
+    want = backend.forward(q, k, v, 0, batch).view(1, -1)
+    parts = backend.forward(q, k, v, 0, batch, defer_merge=True)
+    assert isinstance(parts, SplitAttention) and parts.num_splits > 1
+    assert torch.equal(kernel.linear(parts, w), kernel.linear(want, w))
+
+
 def test_gemv_serves_one_half_precision_row_only():
     w = torch.empty(8, 16, dtype=torch.bfloat16)
     assert triton_ops.gemv_fits(torch.empty(1, 16, dtype=torch.bfloat16), w)
@@ -299,9 +343,12 @@ def test_decode_matches_reference(page_size, heads):
 
 
 @pytest.mark.parametrize("num_sms", [1, 1000])
-def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sms):
-    """num_sms sets the split count: 1 split, or as many as there are key blocks (so short requests
-    leave most of their splits empty and the merge must ignore them)."""
+def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sms, monkeypatch):
+    """num_sms sets the split count (one program wanted per SM here): 1 split, or as many as there are
+    key blocks (so short requests leave most of their splits empty and the merge must ignore them)."""
+    import minisgl.attention.triton_backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "_WAVES", 1)
     seq_lens = [2, 95, 17]
     setup = PagedSetup(4, 4, 2, seq_lens)
     batch = setup.batch("decode", [n - 1 for n in seq_lens], [1] * 3)
@@ -385,3 +432,32 @@ def test_llm_with_triton_attention_and_decode_graphs_equals_hf(tiny_model_dirs, 
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "triton attention + graphs")
+
+
+def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
+    """Prefill through the (emulated) prefill graphs: chunks of up to 16 tokens padded to a captured size,
+    several requests a step, chunks on cached prefixes (page size 4, a shared prompt prefix), decode through
+    the decode graphs: Hugging Face's greedy tokens, and every prefill step was a replay."""
+    from conftest import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+
+    vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 4), (3, 5), (40, 6), (9, 7)]]
+    prompts.append(prompts[2][:30] + [7, 8])
+    kwargs = tiny_llm_kwargs(attn="triton", page_size=4, cuda_graph_max_bs=4, cuda_graph_max_prefill=32,
+                             max_prefill_length=16)
+    with make_llm(tiny_model_dirs["qwen3"], **kwargs) as llm:
+        runner = llm.scheduler.engine.prefill_graphs
+        assert runner is not None and runner.sizes == [16, 32]
+        engine, prefill_steps = llm.scheduler.engine, []
+        forward = engine.forward_batch
+
+        def counting_forward(batch):
+            prefill_steps.append(batch.num_tokens) if batch.is_prefill else None
+            return forward(batch)
+
+        engine.forward_batch = counting_forward
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+        assert len(prefill_steps) >= 5 and runner.replays == len(prefill_steps)
+        assert any(n < 16 for n in prefill_steps)  # some steps were padded
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "prefill graphs")

@@ -50,10 +50,11 @@ class BaseAttnBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, layer_id: int,
-                batch: "Batch", stored: bool = False, rope: Optional[Rope] = None) -> torch.Tensor:
+                batch: "Batch", stored: bool = False, rope: Optional[Rope] = None, defer_merge: bool = False):
         """Store k/v [T, Hkv, D] at batch.out_loc (unless `stored`: an earlier kernel did), then attend
         q [T, Hq, D] -> [T, Hq, D]. With `rope` (only where fuses_rope said so) q and k are not rotated
-        yet and the backend rotates them (and stores the rotated k)."""
+        yet and the backend rotates them (and stores the rotated k). defer_merge: the caller hands the
+        result to kernel.linear, so a split-KV backend may return a kernel.SplitAttention instead."""
 
     def kv_from_pool(self, batch: "Batch") -> bool:
         """Whether attention reads this batch's new K/V from the pool only, so an earlier kernel (rotary)
@@ -75,6 +76,17 @@ class BaseAttnBackend(ABC):
         raise NotImplementedError
 
 
+    # CUDA-graph hooks (prefill): batches of up to max_reqs requests padded to a captured token count
+    def init_prefill_graph(self, max_tokens: int, max_reqs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+
+    def prepare_prefill_capture(self, batch: "Batch", num_tokens: int) -> None:
+        raise NotImplementedError
+
+    def prepare_prefill_replay(self, batch: "Batch") -> None:
+        raise NotImplementedError
+
+
 class HybridBackend(BaseAttnBackend):
     """`--attn prefill_name,decode_name`: one backend for prefill batches, another for decode."""
 
@@ -88,8 +100,8 @@ class HybridBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: "Batch") -> None:
         self._pick(batch).prepare_metadata(batch)
 
-    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None):
-        return self._pick(batch).forward(q, k, v, layer_id, batch, stored, rope)
+    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
+        return self._pick(batch).forward(q, k, v, layer_id, batch, stored, rope, defer_merge)
 
     def fuses_rope(self, batch: "Batch") -> bool:
         return self._pick(batch).fuses_rope(batch)
@@ -105,3 +117,12 @@ class HybridBackend(BaseAttnBackend):
 
     def prepare_for_replay(self, batch: "Batch") -> None:
         self.decode.prepare_for_replay(batch)
+
+    def init_prefill_graph(self, max_tokens: int, max_reqs: int) -> None:
+        self.prefill.init_prefill_graph(max_tokens, max_reqs)
+
+    def prepare_prefill_capture(self, batch: "Batch", num_tokens: int) -> None:
+        self.prefill.prepare_prefill_capture(batch, num_tokens)
+
+    def prepare_prefill_replay(self, batch: "Batch") -> None:
+        self.prefill.prepare_prefill_replay(batch)

@@ -42,7 +42,7 @@ class CpuAttnBackend(TorchAttnBackend):
             batch.table_idx.to(torch.int64), batch.seq_lens_t.to(torch.int64)
         )
 
-    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None):
+    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
         assert rope is None, "this backend does not fuse rotary (fuses_rope is False)"
         if not batch.is_decode:
             return super().forward(q, k, v, layer_id, batch, stored)

@@ -50,7 +50,7 @@ class TorchAttnBackend(BaseAttnBackend):
             start += extend
         batch.attn_metadata = TorchAttnMetadata(rows, None, segments)
 
-    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None):
+    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
         assert rope is None, "this backend does not fuse rotary (fuses_rope is False)"
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
         if not stored:

@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import triton_ops
+from minisgl.kernel import SplitAttention, triton_ops
 from minisgl.kernel.triton_ops import gdc_begin, rope_consts, rope_rows
 from minisgl.utils.device import HostRing
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from minisgl.kvcache.pool import KVPool
 
 _LOG2E = 1.4426950408889634
-_WAVES = 4  # stage-1 programs per SM to aim for: several waves hide the tail of uneven splits
+_WAVES = 8  # stage-1 programs per SM to aim for: many waves hide the tail of uneven splits (W1: 4 -> 8, +1%)
 _MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism gains
 
 
@@ -185,18 +186,21 @@ def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv
 
 @triton.jit
 def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr, q_start_ptr,
-                   prefix_ptr, extend_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_ot, stride_oh, stride_pt, scale_log2, GROUP, D, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Program (request b, query head, query tile): new query i of b sits at position prefix + i and sees
+                   prefix_ptr, extend_ptr, tile_req_ptr, tile_m_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_ot, stride_oh, stride_pt, scale_log2, GROUP, D,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program (work tile, query head): the tile is query tile tile_m of request b = tile_req (b < 0: a
+    padding tile of a CUDA graph, nothing to do). New query i of b sits at position prefix + i and sees
     keys 0..prefix + i, all read from the pool (store_kv has written the new ones already)."""
     gdc_begin(PDL)
-    b = tl.program_id(0)
+    tile = tl.program_id(0)
     head = tl.program_id(1)
-    m_start = tl.program_id(2) * BLOCK_M
-    extend = tl.load(extend_ptr + b)
-    if m_start >= extend:  # the grid covers the longest request; shorter ones stop early
+    b = tl.load(tile_req_ptr + tile)
+    if b < 0:
         return
+    m_start = tl.load(tile_m_ptr + tile) * BLOCK_M
+    extend = tl.load(extend_ptr + b)
     prefix = tl.load(prefix_ptr + b)
     q_start = tl.load(q_start_ptr + b).to(tl.int64)
     row = tl.load(table_idx_ptr + b).to(tl.int64)
@@ -247,7 +251,19 @@ class TritonExtendMetadata:
     q_start: torch.Tensor  # [B] first row of each request's new tokens in q (cu_seqlens without the end)
     prefix_lens: torch.Tensor  # [B] cached tokens before the new ones
     extend_lens: torch.Tensor  # [B] new tokens
-    max_extend: int  # sizes the grid
+    tile_req: torch.Tensor  # [num_tiles] request of each work tile (-1: padding)
+    tile_m: torch.Tensor  # [num_tiles] its query tile within the request
+    num_tiles: int  # sizes the grid
+
+
+def extend_tiles(prefix_lens: np.ndarray, extend_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The extend kernel's work list: every (request, query tile) pair, those with the most keys first
+    (the longest programs start in the first wave)."""
+    counts = -(-extend_lens // block_m)
+    req = np.repeat(np.arange(len(extend_lens)), counts)
+    m = np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts)
+    order = np.argsort(-(prefix_lens[req] + m * block_m), kind="stable")
+    return req[order].astype(np.int32), m[order].astype(np.int32)
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -302,15 +318,19 @@ class TritonAttnBackend(BaseAttnBackend):
                 mid_lse = torch.empty((bs, cfg.num_heads, splits), dtype=torch.float32, device=device)
             batch.attn_metadata = self._decode_metadata(batch, splits, mid_o, mid_lse)
             return
-        starts, start = [], 0
-        for extend in batch.extend_lens:
-            starts.append(start)
-            start += extend
+        parts = self._extend_parts(batch)
         # each part 16-byte aligned (Triton specialises on pointer alignment: no recompiles per batch size)
-        dev, offsets = self._staging.pack([starts, batch.prefix_lens, batch.extend_lens])
-        q_start, prefix_lens, extend_lens = (dev[off:off + batch.size] for off in offsets)
-        batch.attn_metadata = TritonExtendMetadata(batch.table_idx, q_start, prefix_lens, extend_lens,
-                                                   max(batch.extend_lens))
+        dev, offsets = self._staging.pack(parts)
+        q_start, prefix_lens, extend_lens, tile_req, tile_m = (dev[off:off + len(p)] for off, p in zip(offsets, parts))
+        batch.attn_metadata = TritonExtendMetadata(batch.table_idx, q_start, prefix_lens, extend_lens, tile_req,
+                                                   tile_m, len(parts[3]))
+
+    def _extend_parts(self, batch: Batch) -> list[np.ndarray]:
+        """q_start, prefix_lens, extend_lens (per request), tile_req, tile_m (per work tile), on the host."""
+        prefix = np.asarray(batch.prefix_lens, dtype=np.int32)
+        extend = np.asarray(batch.extend_lens, dtype=np.int32)
+        starts = (np.cumsum(extend) - extend).astype(np.int32)
+        return [starts, prefix, extend, *extend_tiles(prefix, extend, self.extend_blocks[0])]
 
     # ---- compute ---------------------------------------------------------------------------------
     def kv_from_pool(self, batch: Batch) -> bool:
@@ -320,21 +340,24 @@ class TritonAttnBackend(BaseAttnBackend):
         return batch.is_decode  # the decode kernel rotates q and the new k and stores k/v itself
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, layer_id: int, batch: Batch,
-                stored: bool = False, rope: Rope | None = None) -> torch.Tensor:
+                stored: bool = False, rope: Rope | None = None,
+                defer_merge: bool = False) -> torch.Tensor | SplitAttention:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
         if rope is not None:
             assert batch.is_decode and not stored and k.stride(-1) == 1 and v.stride(-1) == 1
-            return self._decode(q, k_cache, v_cache, batch.attn_metadata, (rope, k, v, batch.out_loc))
+            return self._decode(q, k_cache, v_cache, batch.attn_metadata, (rope, k, v, batch.out_loc), defer_merge)
         if not stored:
             triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, batch.attn_metadata)
+            return self._decode(q, k_cache, v_cache, batch.attn_metadata, None, defer_merge)
         return self._extend(q, k_cache, v_cache, batch.attn_metadata)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonDecodeMetadata,
-                fused: tuple | None = None) -> torch.Tensor:
-        """fused = (rope, k, v, out_loc): q, k, v are unrotated and the kernel rotates them and stores k/v."""
+                fused: tuple | None = None, defer_merge: bool = False) -> torch.Tensor | SplitAttention:
+        """fused = (rope, k, v, out_loc): q, k, v are unrotated and the kernel rotates them and stores k/v.
+        defer_merge: one request's several splits come back unmerged (SplitAttention) for the output
+        projection's GEMV to merge."""
         bs, num_heads, head_dim = q.shape
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         block_d = triton.next_power_of_2(head_dim)
@@ -365,11 +388,19 @@ class TritonAttnBackend(BaseAttnBackend):
             **triton_ops.launch_opts(q))
         if direct:
             return out
-        _decode_merge_kernel[(bs, num_heads)](
-            mid_o, mid_lse, out, meta.seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), splits, head_dim,
-            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=pdl,
-            num_warps=4, **triton_ops.launch_opts(q))
+        if defer_merge and bs == 1:
+            return SplitAttention(mid_o, mid_lse, meta.seq_lens, splits, self.decode_block_n, q.dtype,
+                                  lambda: self._merge(mid_o, mid_lse, meta.seq_lens, splits, out).view(bs, -1))
+        return self._merge(mid_o, mid_lse, meta.seq_lens, splits, out)
+
+    def _merge(self, mid_o: torch.Tensor, mid_lse: torch.Tensor, seq_lens: torch.Tensor, splits: int,
+               out: torch.Tensor) -> torch.Tensor:
+        _decode_merge_kernel[out.shape[:2]](
+            mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), splits, out.shape[2],
+            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(out.shape[2]), PDL=triton_ops.pdl(out), num_warps=4,
+            **triton_ops.launch_opts(out))
         return out
 
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -377,10 +408,9 @@ class TritonAttnBackend(BaseAttnBackend):
         head_dim = q.shape[2]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         block_m, block_n = self.extend_blocks
-        grid = (meta.table_idx.shape[0], self.config.num_heads, triton.cdiv(meta.max_extend, block_m))
-        _extend_kernel[grid](
+        _extend_kernel[(meta.num_tiles, self.config.num_heads)](
             q, k_cache, v_cache, out, self.page_table, meta.table_idx, meta.q_start, meta.prefix_lens,
-            meta.extend_lens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            meta.extend_lens, meta.tile_req, meta.tile_m, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), out.stride(0), out.stride(1), self.page_table.stride(0), self.scale * _LOG2E,
             self.group, head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
             PRECISION=self.precision, PDL=triton_ops.pdl(q), num_warps=8 if block_m >= 128 else 4, num_stages=2,
@@ -412,3 +442,44 @@ class TritonAttnBackend(BaseAttnBackend):
         """Nothing to refresh: the captured kernels read the page table, the runner's table_idx and
         seq_lens buffers (refreshed by the runner before this call) and compute split bounds on the device."""
         assert batch.padded_size in self._graph_splits, f"batch size {batch.padded_size} was not captured"
+
+    # ---- CUDA graphs (prefill) -------------------------------------------------------------------
+    def _max_tiles(self, num_tokens: int) -> int:
+        """Work tiles of any prefill batch of at most num_tokens tokens and max_reqs requests."""
+        return triton.cdiv(num_tokens, self.extend_blocks[0]) + self._prefill_reqs
+
+    def init_prefill_graph(self, max_tokens: int, max_reqs: int) -> None:
+        """One fixed metadata buffer for every captured prefill size: q_start, prefix and extend lengths
+        of max_reqs requests, then the work list (tile_req, tile_m) of the largest size."""
+        self._prefill_reqs = -(-max_reqs // 4) * 4  # keeps every part 16-byte aligned
+        tiles = -(-self._max_tiles(max_tokens) // 4) * 4
+        self._prefill_layout = (self._prefill_reqs, tiles)
+        self._prefill_meta = torch.zeros(3 * self._prefill_reqs + 2 * tiles, dtype=torch.int32,
+                                         device=self.config.device)
+        self._prefill_meta[3 * self._prefill_reqs:3 * self._prefill_reqs + tiles] = -1  # capture: no work
+
+    def prepare_prefill_capture(self, batch: Batch, num_tokens: int) -> None:
+        """Metadata of a prefill graph of num_tokens tokens: views of the fixed buffer (the work list
+        sized for the most tiles such a batch can have) and the runner's fixed table_idx."""
+        r, tiles = self._prefill_layout
+        buf = self._prefill_meta
+        n = self._max_tiles(num_tokens)
+        batch.attn_metadata = TritonExtendMetadata(batch.table_idx, buf[:r], buf[r:2 * r], buf[2 * r:3 * r],
+                                                   buf[3 * r:3 * r + n], buf[3 * r + tiles:3 * r + tiles + n], n)
+
+    def prepare_prefill_replay(self, batch: Batch) -> None:
+        """Write this batch's metadata into the fixed buffer (one copy): padding requests have no new
+        tokens and padding tiles request -1, so the captured launch skips them."""
+        r, tiles = self._prefill_layout
+        assert batch.size <= r
+        starts, prefix, extend, tile_req, tile_m = self._extend_parts(batch)
+        host, slot = self._staging.take(self._prefill_meta.numel())
+        flat = host[: self._prefill_meta.numel()].numpy()
+        flat[:] = 0
+        for i, part in enumerate((starts, prefix, extend)):
+            flat[i * r:i * r + len(part)] = part
+        flat[3 * r:3 * r + tiles] = -1
+        flat[3 * r:3 * r + len(tile_req)] = tile_req
+        flat[3 * r + tiles:3 * r + tiles + len(tile_m)] = tile_m
+        self._prefill_meta.copy_(host[: self._prefill_meta.numel()], non_blocking=True)
+        self._staging.used(slot)

@@ -122,6 +122,8 @@ def run_once(args: argparse.Namespace, workload: Workload, cache: str, overlap: 
     }
     if args.cuda_graph_max_bs is not None:
         kwargs["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    if args.cuda_graph_max_prefill is not None:
+        kwargs["cuda_graph_max_prefill"] = args.cuda_graph_max_prefill
     if args.num_pages is not None:
         kwargs["num_page_override"] = args.num_pages
     if args.max_seq_len is not None:
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--attn", default="auto", help="torch, triton, auto, or prefill,decode")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
+    ap.add_argument("--cuda-graph-max-prefill", type=int, default=None, help="0 disables prefill graphs")
     ap.add_argument("--overlap", default="on", help="on, off, or on,off to compare")
     ap.add_argument("--cache", default="radix", help="radix, naive, or radix,naive to compare")
     ap.add_argument("--page-size", type=int, default=1)

@@ -24,6 +24,8 @@ class EngineConfig:
     attn: str = "auto"
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights, real shapes)
     cuda_graph_max_bs: Optional[int] = None  # None: automatic; 0 disables CUDA graphs
+    cuda_graph_max_prefill: Optional[int] = None  # tokens; None: automatic (GPU, decode graphs on); 0: off
+    max_prefill_length: int = 8192  # the scheduler's token budget of a prefill step (set by the scheduler)
     mem_fraction: float = 0.88  # of total device memory the engine may use (weights + KV + graphs)
     cpu_kv_cache_bytes: int = 1 << 30  # KV pool size on a CPU when num_pages is not given
     show_progress: bool = True

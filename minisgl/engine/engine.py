@@ -93,7 +93,7 @@ class Engine:
         set_global_ctx(self.ctx)
         self.sampler = Sampler(self.device)
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
-        self.graph_runner = None
+        self.graph_runner = self.prefill_graphs = None
         self._init_graphs()
         logger.info(f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
                     f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
@@ -137,10 +137,11 @@ class Engine:
 
     def _init_graphs(self) -> None:
         try:
-            from .graph import GraphRunner
+            from .graph import GraphRunner, PrefillGraphRunner
         except ImportError:
             return
         self.graph_runner = GraphRunner.create(self)
+        self.prefill_graphs = PrefillGraphRunner.create(self)
 
     # ---- compute ---------------------------------------------------------------------------------
     def prepare_inputs(self, batch: Batch) -> None:
@@ -163,6 +164,9 @@ class Engine:
             logits, next_tokens = out.logits[: batch.size], out.tokens[: batch.size]
             if not info.all_greedy:
                 next_tokens = self._sample(logits, batch)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            logits = self.prefill_graphs.replay(batch)
+            next_tokens = self._sample(logits, batch)
         else:
             self.prepare_inputs(batch)
             self.attn_backend.prepare_metadata(batch)
@@ -188,7 +192,7 @@ class Engine:
 
     def shutdown(self) -> None:
         synchronize(self.device)
-        self.graph_runner = None
+        self.graph_runner = self.prefill_graphs = None
         set_global_ctx(None)
         for name in ("model", "kv_pool", "page_table", "token_pool", "attn_backend", "ctx"):
             if hasattr(self, name):

@@ -67,6 +67,34 @@ class EmulatedGraph:
         self._run()
 
 
+def capture_cuda(forward: Callable[[], tuple], pool, stream, device: torch.device):
+    """(graph, outputs) of forward() captured on `stream` into memory pool `pool`."""
+    # Warm up outside the graph: compiles the Triton kernels and makes cuBLAS create its handles and
+    # workspaces, none of which may happen during capture. On the capture stream, like the capture.
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = forward()
+    return graph, out
+
+
+def capture_emulated(forward: Callable[[], tuple]):
+    """(EmulatedGraph, fixed outputs): a replay re-runs forward() and copies its results into the outputs."""
+    first = forward()  # the warm-up, as on a GPU
+    out = type(first)(*(torch.empty_like(t) for t in first))
+
+    def run() -> None:
+        for dst, src in zip(out, forward()):
+            dst.copy_(src)
+
+    return EmulatedGraph(run), out
+
+
 class GraphRunner:
     """Captures decode at a list of batch sizes and replays the smallest graph a batch fits in."""
 
@@ -163,29 +191,11 @@ class GraphRunner:
                     f"{time.perf_counter() - start:.1f}s" + (f", {used:.0f} MiB" if not self.emulate else ""))
 
     def _capture_cuda(self, batch: Batch):
-        stream = self._stream
-        # Warm up outside the graph: compiles the Triton kernels and makes cuBLAS create its handles and
-        # workspaces, none of which may happen during capture. On the capture stream, like the capture.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize(self.engine.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            out = self._forward(batch)
-        return graph, out
+        return capture_cuda(lambda: self._forward(batch), self._pool, self._stream, self.engine.device)
 
     def _capture_emulated(self, batch: Batch):
         plan = not self.backend_hooks
-        out = GraphOutput(*(torch.empty_like(t) for t in self._forward(batch, plan)))  # the warm-up, as on a GPU
-
-        def run() -> None:
-            for dst, src in zip(out, self._forward(batch, plan)):
-                dst.copy_(src)
-
-        return EmulatedGraph(run), out
+        return capture_emulated(lambda: self._forward(batch, plan))
 
     # ---- replay ----------------------------------------------------------------------------------
     def can_run(self, batch: Batch) -> bool:
@@ -211,3 +221,135 @@ class GraphRunner:
             self.engine.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.outputs[bs]
+
+
+# ---- prefill ---------------------------------------------------------------------------------------------
+DEFAULT_MAX_PREFILL = 8192  # tokens, on a GPU when --cuda-graph-max-prefill is not given
+MAX_PREFILL_REQS = 64  # requests a captured prefill batch holds at most
+
+
+class PrefillOutput(NamedTuple):
+    logits: torch.Tensor  # [max_reqs, vocab]: the logits of the rows in logits_idx, in its order
+
+
+def prefill_sizes(max_tokens: int) -> list[int]:
+    """Token counts captured for prefill: 16, 32, .., 1024, then every 1024 up to max_tokens (always
+    included). Above 1024 tokens padding adds at most a third, where the step time is ~linear."""
+    sizes = [16 << i for i in range(7)] + list(range(2048, max_tokens + 1, 1024))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+class PrefillGraphRunner:
+    """CUDA graphs for prefill: the whole forward of a prefill batch padded to a captured token count.
+
+    A large prefill step launches ~10 kernels a layer whose host cost (Triton's and cuBLAS's launch
+    paths) can exceed the GPU time of the step; a replay launches them all at once. Every per-token input
+    (ids, positions, KV slots) and per-request input (page-table row, the row to sample from) is copied
+    into fixed buffers, and the attention backend copies its metadata (lengths, work list) into its own.
+    Padding tokens sit at position 0 and write their K/V into the dummy slot (as decode padding does);
+    no request's attention reads them, and no sampled row is one of them. Padding requests have no new
+    tokens. The page-table entries of the batch are written before the replay (their count varies).
+    The graph ends with the LM head on max_reqs rows (logits_idx); sampling runs after the replay.
+    """
+
+    def __init__(self, engine: Engine, sizes: list[int], max_reqs: int) -> None:
+        self.engine = engine
+        self.sizes = sizes
+        self.max_tokens, self.max_reqs = sizes[-1], max_reqs
+        self.emulate = not is_cuda(engine.device)
+        device = engine.device
+        dummy_row, dummy_slot = engine.config.max_running_req, engine.num_pages * engine.config.page_size
+        engine.page_table[dummy_row].fill_(dummy_slot)
+        # per token: input id, position, KV slot; per request: page-table row, the row to sample from
+        self._tok_pad = torch.tensor([0, 0, dummy_slot], dtype=torch.int32)[:, None].expand(3, self.max_tokens)
+        self._tok_pad = self._tok_pad.contiguous().to(device)
+        self._tok = self._tok_pad.clone()
+        self._req_pad = torch.tensor([dummy_row, 0], dtype=torch.int32)[:, None].expand(2, max_reqs)
+        self._req_pad = self._req_pad.contiguous().to(device)
+        self._req = self._req_pad.clone()
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, PrefillOutput] = {}
+        self.replays = 0  # prefill steps served by a graph (tests and logs read it)
+        self._pool = torch.cuda.graph_pool_handle() if not self.emulate else None
+        self._stream = torch.cuda.Stream(device) if not self.emulate else None
+
+    @classmethod
+    def create(cls, engine: Engine) -> PrefillGraphRunner | None:
+        """A runner with every size captured, or None: off (cuda_graph_max_prefill 0, or None on a CPU or
+        with decode graphs off) or an attention backend without prefill-graph hooks."""
+        cfg = engine.config
+        limit = cfg.cuda_graph_max_prefill
+        if limit is None:
+            on = is_cuda(engine.device) and cfg.cuda_graph_max_bs != 0
+            limit = min(DEFAULT_MAX_PREFILL, cfg.max_prefill_length) if on else 0
+        if limit <= 0:
+            return None
+        sizes = prefill_sizes(limit)
+        max_reqs = min(cfg.max_running_req, MAX_PREFILL_REQS)
+        try:
+            engine.attn_backend.init_prefill_graph(sizes[-1], max_reqs)
+        except NotImplementedError:
+            logger.info(f"{type(engine.attn_backend).__name__} has no prefill-graph hooks: prefill runs eagerly")
+            return None
+        runner = cls(engine, sizes, max_reqs)
+        runner.capture_all()
+        return runner
+
+    def _buffer_batch(self, num_tokens: int) -> Batch:
+        """A prefill batch of max_reqs requests over num_tokens tokens whose tensors are the fixed buffers."""
+        r = self.max_reqs
+        batch = Batch([None] * r, "prefill", [0] * r, [num_tokens] + [0] * (r - 1), [True] * r)
+        batch.input_ids, batch.positions, batch.out_loc = (t[:num_tokens] for t in self._tok.unbind(0))
+        batch.table_idx, batch.logits_idx = self._req.unbind(0)
+        return batch
+
+    def _forward(self, batch: Batch) -> PrefillOutput:
+        engine = self.engine
+        with engine.ctx.forward_batch(batch):
+            hidden = engine.model()
+        return PrefillOutput(engine.model.compute_logits(hidden[batch.logits_idx.long()]))
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size, largest first, into one memory pool."""
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.engine.device)[0] if not self.emulate else 0
+        show = self.engine.config.show_progress and self.engine.config.tp_info.is_primary()
+        kind = "emulated prefill graphs" if self.emulate else "prefill CUDA graphs"
+        for n in tqdm(sorted(self.sizes, reverse=True), desc=f"Capturing {kind}", unit="graph", disable=not show):
+            batch = self._buffer_batch(n)
+            self.engine.attn_backend.prepare_prefill_capture(batch, n)
+            forward = lambda b=batch: self._forward(b)  # noqa: E731
+            if self.emulate:
+                self.graphs[n], self.outputs[n] = capture_emulated(forward)
+            else:
+                self.graphs[n], self.outputs[n] = capture_cuda(forward, self._pool, self._stream, self.engine.device)
+        used = (free_before - torch.cuda.mem_get_info(self.engine.device)[0]) / 2**20 if not self.emulate else 0
+        logger.info(f"Captured {len(self.sizes)} {kind} ({self.sizes[0]}..{self.max_tokens} tokens, up to "
+                    f"{self.max_reqs} requests) in {time.perf_counter() - start:.1f}s"
+                    + (f", {used:.0f} MiB" if not self.emulate else ""))
+
+    def can_run(self, batch: Batch) -> bool:
+        return batch.is_prefill and batch.num_tokens <= self.max_tokens and batch.size <= self.max_reqs
+
+    def replay(self, batch: Batch) -> torch.Tensor:
+        """Write the batch's page-table entries, copy its inputs into the fixed buffers (padding the rest),
+        replay the graph of the smallest size that holds its tokens; returns the sampled rows' logits."""
+        engine = self.engine
+        rows, pos, slots = batch.pt_writes or (batch.table_idx, batch.positions, batch.out_loc)
+        engine.page_table[rows, pos] = slots
+        t, n = batch.num_tokens, self.sizes[bisect.bisect_left(self.sizes, batch.num_tokens)]
+        for i, src in enumerate((batch.input_ids, batch.positions, batch.out_loc)):
+            self._tok[i, :t].copy_(src, non_blocking=True)
+        if n > t:  # padding tokens must not write K/V into slots a request owns
+            self._tok[:, t:n].copy_(self._tok_pad[:, t:n], non_blocking=True)
+        r = batch.size
+        self._req[0, :r].copy_(batch.table_idx, non_blocking=True)
+        s = batch.logits_idx.numel()
+        self._req[1, :s].copy_(batch.logits_idx, non_blocking=True)
+        self._req[:, r:].copy_(self._req_pad[:, r:], non_blocking=True)  # stale rows could index past n
+        self._req[1, s:].copy_(self._req_pad[1, s:], non_blocking=True)
+        engine.attn_backend.prepare_prefill_replay(batch)
+        self.graphs[n].replay()
+        self.replays += 1
+        return self.outputs[n].logits[:s]

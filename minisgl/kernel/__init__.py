@@ -6,7 +6,7 @@ reference path. `use_triton(False)` forces the reference (the tests compare the 
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,20 @@ from . import reference as ref
 _TRITON_ENABLED = True
 _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
 _HALF = (torch.bfloat16, torch.float16)
+
+
+class SplitAttention(NamedTuple):
+    """A split-KV decode attention output still in parts, handed to the output projection so that one
+    kernel merges the splits and multiplies (at batch size 1 on a GPU); linear() merges it first anywhere
+    else. Splits follow the decode kernel's cut: seq_len over num_splits, rounded up to block_n keys."""
+
+    mid_o: torch.Tensor  # [B, Hq, num_splits, D] float32 normalised partial outputs
+    mid_lse: torch.Tensor  # [B, Hq, num_splits] their log2-sum-exps
+    seq_lens: torch.Tensor  # [B]
+    num_splits: int
+    block_n: int
+    dtype: torch.dtype  # of the merged output
+    merge: Callable[[], torch.Tensor]  # runs the merge kernel: the output as [B, Hq * D]
 
 
 def use_triton(enabled: bool) -> None:
@@ -43,7 +57,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """y = x W^T (+ b). On a CPU in float32 the weight is packed once (kept on the tensor, redone if it
     is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both are
     measured faster than MKL's GEMM at decode's row counts (the 49,152-wide LM head most of all). On a
-    CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once."""
+    CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once.
+    x may be a SplitAttention (decode attention not merged yet)."""
+    if isinstance(x, SplitAttention):
+        ops = _triton_ops()
+        if ops is not None and ops.gemv_merge_fits(x, weight):
+            return ops.gemv_merged(x, weight, bias)
+        x = x.merge()
     if x.is_cuda:
         return _gpu_linear(x, weight, bias)
     if (x.device.type == "cpu" and x.dtype in _HALF and weight.dtype == x.dtype and _CPU_PACKED_LINEAR

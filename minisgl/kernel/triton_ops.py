@@ -329,15 +329,41 @@ def _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K: tl.constexpr, k0, BLOCK_K: 
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
-                 GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _merged_input(o_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, offs_k, k_mask, HEAD_D: tl.constexpr,
+                  dtype: tl.constexpr):
+    """Input elements offs_k (head = k // HEAD_D) of a split-KV attention output that is still in parts:
+    sum_s 2^(lse_s - max lse) o_s / sum_s 2^(lse_s - max lse) over the n_splits splits that hold keys,
+    rounded to dtype, as the decode merge kernel writes it."""
+    head = offs_k // HEAD_D
+    o_row = o_ptr + head * stride_oh + offs_k % HEAD_D
+    lse_row = lse_ptr + head * stride_lh
+    m = tl.full(offs_k.shape, float("-inf"), dtype=tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(lse_row + s, mask=k_mask, other=0.0))
+    acc = tl.zeros(offs_k.shape, dtype=tl.float32)
+    total = tl.zeros(offs_k.shape, dtype=tl.float32)
+    for s in range(0, n_splits):
+        w = tl.exp2(tl.load(lse_row + s, mask=k_mask, other=0.0) - m)
+        acc += w * tl.load(o_row + s * stride_os, mask=k_mask, other=0.0)
+        total += w
+    return (acc / total).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, stride_wn, lse_ptr, seq_len_ptr,
+                 stride_oh, stride_os, stride_lh, NUM_SPLITS, K: tl.constexpr, GATED: tl.constexpr,
+                 NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, MERGE: tl.constexpr,
+                 HEAD_D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """y[n block] = W[n block] x for one row x. The first K block of W (with the tuned tiles, the whole
     slice: BLOCK_K >= K) is loaded before waiting for the previous kernel, since weights never depend on
     it: under programmatic dependent launch this kernel's weights stream in while the previous one runs.
     GATED: x is [gate | up] (2K wide) and the input is silu(gate) * up, as silu_and_mul.
     NORM: the input is rms_norm(h, nw) with h = x (+ residual if ADD), as reference.(fused_add_)rms_norm;
-    every program normalises the row itself; with ADD, program 0 stores h (a new tensor: none reads it)."""
+    every program normalises the row itself; with ADD, program 0 stores h (a new tensor: none reads it).
+    MERGE: x is one request's split-KV decode attention output still in parts (x_ptr the partial outputs
+    [heads, splits, HEAD_D], lse_ptr their log2-sum-exps; splits as the decode kernel cut seq_len), merged
+    here as the merge kernel would, so that kernel does not run."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -357,12 +383,23 @@ def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, strid
                     tl.store(h_ptr + offs, h, mask=mask)
             sumsq += h.to(tl.float32) * h.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
-    x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, 0, BLOCK_K, GATED, NORM, ADD)
+    n_splits = 0
+    if MERGE:
+        seq_len = tl.load(seq_len_ptr)
+        n_splits = tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_N) * SPLIT_N)
+        x = _merged_input(x_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, offs_k, offs_k < K, HEAD_D,
+                          w_ptr.dtype.element_ty)
+    else:
+        x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, 0, BLOCK_K, GATED, NORM, ADD)
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):  # only with tiles narrower than K
         offs = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs[None, :], mask=n_mask[:, None] & (offs < K)[None, :], other=0.0)
-        x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, k0, BLOCK_K, GATED, NORM, ADD)
+        if MERGE:
+            x = _merged_input(x_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, offs, offs < K, HEAD_D,
+                              w_ptr.dtype.element_ty)
+        else:
+            x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, k0, BLOCK_K, GATED, NORM, ADD)
         y += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -397,9 +434,34 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gate
     norm_weight, eps, residual, h = norm or (weight, 0.0, None, weight)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, h, norm_weight, eps, weight, bias if bias is not None else weight,
-        y, n, weight.stride(0), K=k, GATED=gated, NORM=norm is not None, ADD=residual is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x),
+        y, n, weight.stride(0), x, x, 0, 0, 0, 1, K=k, GATED=gated, NORM=norm is not None, ADD=residual is not None,
+        HAS_BIAS=bias is not None, MERGE=False, HEAD_D=1, SPLIT_N=1, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x),
         num_warps=8 if block_n * block_k >= _GEMV_TILE else 4, **launch_opts(x))
+    return y
+
+
+def gemv_merge_fits(parts, weight: torch.Tensor) -> bool:
+    """Whether gemv_merged() serves linear(parts.merge(), W): one request, W in the parts' dtype."""
+    mid_o = parts.mid_o
+    return (mid_o.shape[0] == 1 and parts.dtype in (torch.bfloat16, torch.float16) and weight.dtype == parts.dtype
+            and weight.shape[1] == mid_o.shape[1] * mid_o.shape[3] and weight.stride(-1) == 1
+            and mid_o.stride(-1) == 1)
+
+
+def gemv_merged(parts, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """linear(parts.merge(), W, b) for a one-request split-KV decode output (kernel.SplitAttention) in one
+    launch: the GEMV merges the splits as it reads its input."""
+    mid_o, mid_lse = parts.mid_o, parts.mid_lse
+    n, k = weight.shape
+    block_n, block_k = tiles or _gemv_tiles(n, k)
+    y = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        mid_o, mid_o, mid_o, weight, 0.0, weight, bias if bias is not None else weight, y, n, weight.stride(0),
+        mid_lse, parts.seq_lens, mid_o.stride(1), mid_o.stride(2), mid_lse.stride(1), parts.num_splits, K=k,
+        GATED=False, NORM=False, ADD=False, HAS_BIAS=bias is not None, MERGE=True, HEAD_D=mid_o.shape[3],
+        SPLIT_N=parts.block_n, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(weight),
+        num_warps=8 if block_n * block_k >= _GEMV_TILE else 4, **launch_opts(weight))
     return y
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from minisgl.attention.base import Rope
 from minisgl.core import get_global_ctx
+from minisgl.kernel import SplitAttention
 
 
 class AttentionLayer(nn.Module):
@@ -33,9 +34,13 @@ class AttentionLayer(nn.Module):
         return ctx.attn_backend.fuses_rope(ctx.batch)
 
     def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, stored: bool = False,
-                rope: Optional[Rope] = None) -> torch.Tensor:
+                rope: Optional[Rope] = None, defer_merge: bool = False):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]; the backend stores k/v into the pool first, unless
-        they are there already (stored; k may then be None). rope: q/k are unrotated (see fuses_rope)."""
+        they are there already (stored; k may then be None). rope: q/k are unrotated (see fuses_rope).
+        defer_merge: the result goes straight to kernel.linear, so it may be a kernel.SplitAttention."""
         ctx = get_global_ctx()
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, stored=stored, rope=rope)
+        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, stored=stored, rope=rope,
+                                       defer_merge=defer_merge)
+        if isinstance(out, SplitAttention):
+            return out
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -45,7 +45,9 @@ class LlamaAttention(nn.Module):
         positions = get_global_ctx().batch.positions
         if self.attn.fuses_rope():  # decode on a GPU: q/k norm, rotary and the KV store in the attention kernel
             norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-            return self.o_proj(self.attn(q, k, v, rope=self.rotary.spec(positions, *norms))), residual
+            # the output projection merges the attention's splits itself where it can (batch size 1)
+            out = self.attn(q, k, v, rope=self.rotary.spec(positions, *norms), defer_merge=True)
+            return self.o_proj(out), residual
         store = self.attn.kv_store(v)  # where the backend lets the rotary kernel write the new K/V itself
         if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, in the rotary kernel
             q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm, kv_store=store)

@@ -7,6 +7,7 @@ meantime is discarded, never reported."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -41,7 +42,8 @@ class StepOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.engine = Engine(config.engine)
+        # the engine captures prefill graphs up to the prefill token budget
+        self.engine = Engine(dataclasses.replace(config.engine, max_prefill_length=config.max_prefill_length))
         self.device = self.engine.device
         self.page_size = config.engine.page_size
         self.max_seq_len = self.engine.max_seq_len

@@ -27,6 +27,7 @@ class ServerArgs:
     max_running_requests: int = 256
     num_tokenizer: int = 0
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_prefill: int | None = None
     load_format: str = "auto"
     shell: bool = False
     max_request_bytes: int = 8 << 20
@@ -120,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph-max-bs", type=int, default=None, help="largest captured decode batch; 0: off"
     )
     p.add_argument(
+        "--cuda-graph-max-prefill",
+        type=int,
+        default=None,
+        help="largest captured prefill step in tokens (default: min(8192, --max-prefill-length) on a GPU "
+        "while decode graphs are on); 0: off",
+    )
+    p.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "safetensors", "dummy"],
@@ -146,6 +154,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         _positive(name.replace("_", "-"), getattr(ns, name))
     _positive("num-tokenizer", ns.num_tokenizer, 0)
     _positive("cuda-graph-max-bs", ns.cuda_graph_max_bs, 0)
+    _positive("cuda-graph-max-prefill", ns.cuda_graph_max_prefill, 0)
     if not 0 < ns.port < 65536:
         raise SystemExit(f"error: --port must be in 1..65535, got {ns.port}")
     running = ns.max_running_requests or (1 if ns.shell else 256)  # one user in the shell
@@ -166,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_running_requests=running,
         num_tokenizer=ns.num_tokenizer,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
+        cuda_graph_max_prefill=ns.cuda_graph_max_prefill,
         load_format=ns.load_format,
         shell=ns.shell,
         max_request_bytes=ns.max_request_bytes,

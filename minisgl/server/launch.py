@@ -66,6 +66,7 @@ def _scheduler_config(args: ServerArgs, rank: int) -> Any:
         attn=args.attn,
         load_format=args.load_format,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_prefill=args.cuda_graph_max_prefill,
         show_progress=rank == 0,
     )
     eos: list[int] = []
