@@ -281,12 +281,17 @@ class TritonAttnBackend(BaseAttnBackend):
             # from 184 to 120 us a layer against 2 stages; 4 stages are best with one split (batch 256 x
             # 600 keys: 164 -> 157 us)
             self.decode_launch = {"num_warps": 4, "num_stages": (3, 4)}  # stages: (several splits, one)
-            self.extend_blocks = (128, 64) if config.head_dim <= 128 else (64, 32)
+            # measured on an H200 (Qwen3-0.6B heads, bf16, 16 x 512 / 8 x 1,024 / 4 x 512 on 1,536 cached):
+            # 64 x 64 tiles, 4 warps, 2 stages took 99 / 152 / 116 us against 113 / 172 / 134 with 128 x 64
+            # and 8 warps, the best of nine tilings (python -m minisgl.benchmark.attn_extend; W1 +0.4%)
+            self.extend_blocks = (64, 64) if config.head_dim <= 128 else (64, 32)
+            self.extend_launch = {"num_warps": 4, "num_stages": 2}
         else:  # TRITON_INTERPRET: small tiles, so short test sequences still cross several tiles and splits
             self.num_sms = 4
             self.decode_block_n = 16
             self.decode_launch = {"num_warps": 4, "num_stages": (2, 2)}
             self.extend_blocks = (16, 16)
+            self.extend_launch = {"num_warps": 4, "num_stages": 2}
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
         self._staging = HostRing(config.device)  # pinned buffers for the extend metadata
@@ -410,10 +415,11 @@ class TritonAttnBackend(BaseAttnBackend):
         block_m, block_n = self.extend_blocks
         _extend_kernel[(meta.num_tiles, self.config.num_heads)](
             q, k_cache, v_cache, out, self.page_table, meta.table_idx, meta.q_start, meta.prefix_lens,
-            meta.extend_lens, meta.tile_req, meta.tile_m, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), out.stride(0), out.stride(1), self.page_table.stride(0), self.scale * _LOG2E,
+            meta.extend_lens, meta.tile_req, meta.tile_m, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            self.page_table.stride(0), self.scale * _LOG2E,
             self.group, head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-            PRECISION=self.precision, PDL=triton_ops.pdl(q), num_warps=8 if block_m >= 128 else 4, num_stages=2,
+            PRECISION=self.precision, PDL=triton_ops.pdl(q), **self.extend_launch,
             **triton_ops.launch_opts(q))
         return out
 
