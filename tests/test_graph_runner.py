@@ -19,7 +19,7 @@ if not torch.cuda.is_available():  # must be set before Triton is first imported
 from minisgl.attention import BaseAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine import Engine, EngineConfig, SamplingInfo
-from minisgl.engine.graph import GraphRunner, capture_sizes
+from minisgl.engine.graph import GraphRunner, PrefillGraphRunner, capture_sizes, prefill_sizes
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -138,6 +138,26 @@ def test_capture_sizes_cover_every_batch_size_up_to_the_max():
     assert capture_sizes(5) == [1, 2, 4, 5]
     assert capture_sizes(1) == [1]
     assert capture_sizes(130)[-3:] == [120, 128, 130]
+
+
+def test_prefill_sizes_double_to_1024_then_step_by_1024_up_to_the_limit():
+    assert prefill_sizes(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192]
+    assert prefill_sizes(100) == [16, 32, 64, 100]
+    assert prefill_sizes(2500) == [16, 32, 64, 128, 256, 512, 1024, 2048, 2500]
+
+
+def test_prefill_graphs_are_off_on_a_cpu_by_default_when_disabled_and_for_backends_without_hooks():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def engine(device, backend=None, **kwargs):
+        return SimpleNamespace(config=EngineConfig(**kwargs), device=device, attn_backend=backend)
+
+    assert PrefillGraphRunner.create(engine(cpu)) is None
+    assert PrefillGraphRunner.create(engine(cpu, cuda_graph_max_prefill=0)) is None
+    assert PrefillGraphRunner.create(engine(cuda, cuda_graph_max_prefill=0)) is None
+    assert PrefillGraphRunner.create(engine(cuda, cuda_graph_max_bs=0)) is None  # "graphs off" means both
+    no_hooks = SimpleNamespace(init_prefill_graph=BaseAttnBackend.init_prefill_graph.__get__(object()))
+    assert PrefillGraphRunner.create(engine(cuda, no_hooks)) is None  # e.g. the torch backend on a GPU
 
 
 def test_graphs_are_off_when_disabled_on_a_cpu_by_default_and_for_backends_without_hooks():

@@ -214,6 +214,7 @@ def test_help_lists_the_documented_options():
         "--max-running-requests",
         "--num-tokenizer",
         "--cuda-graph-max-bs",
+        "--cuda-graph-max-prefill",
         "--load-format",
         "--shell",
     ):

@@ -459,5 +459,11 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
         outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
         assert len(prefill_steps) >= 5 and runner.replays == len(prefill_steps)
         assert any(n < 16 for n in prefill_steps)  # some steps were padded
+        # a batch of more requests than a graph holds, or of more tokens than the largest, runs eagerly
+        many = Batch([None] * (runner.max_reqs + 1), "prefill", [0] * (runner.max_reqs + 1),
+                     [1] * (runner.max_reqs + 1), [True] * (runner.max_reqs + 1))
+        long = Batch([None], "prefill", [0], [runner.max_tokens + 1], [True])
+        assert not runner.can_run(many) and not runner.can_run(long)
+        assert runner.can_run(Batch([None], "prefill", [0], [runner.max_tokens], [True]))
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "prefill graphs")

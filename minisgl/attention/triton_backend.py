@@ -5,11 +5,15 @@ Decode runs in two stages. Stage 1 has one program per (request, KV head, split)
 of that KV head's GQA group together, so each K/V row is read once, and it writes a partial output plus
 the split's log-sum-exp. Stage 2 merges the splits of each (request, query head). The number of splits is
 chosen so the first stage fills the GPU several times over even at batch size 1; with one split (large
-batches) stage 1 writes the output itself and stage 2 is skipped.
+batches) stage 1 writes the output itself and stage 2 is skipped; with one request the output projection
+may merge the splits itself (defer_merge: a kernel.SplitAttention goes back instead). Given a Rope, stage
+1 also applies rotary (and Qwen3's q/k norm) to q and the new k and stores the new K/V (fuses_rope).
 
 Prefill/extend is one flash-attention launch over the new tokens of every request: a program owns a tile
-of one request's new queries for one query head, streams the keys 0..prefix+i through the page table with
-an online softmax, and applies the causal mask only on the tiles that cross the diagonal.
+of one request's new queries (a (request, query tile) entry of a work list built on the host) for one
+query head, streams the keys 0..prefix+i through the page table with an online softmax, and applies the
+causal mask only on the tiles that cross the diagonal. Prefill CUDA graphs keep the metadata and the work
+list in a fixed buffer (init_prefill_graph / prepare_prefill_capture / prepare_prefill_replay).
 
 Also runs on CPU tensors under TRITON_INTERPRET=1 (the CPU tests), with smaller tiles.
 """

@@ -54,7 +54,8 @@ def main() -> None:
         want = reference.forward(q, None, None, 0, batch, stored=True).float()
         for block_m, block_n, warps, stages in CONFIGS:
             backend = TritonAttnBackend(cfg, pool, table)
-            backend.extend_blocks, backend.extend_launch = (block_m, block_n), {"num_warps": warps, "num_stages": stages}
+            backend.extend_blocks = (block_m, block_n)
+            backend.extend_launch = {"num_warps": warps, "num_stages": stages}
             backend.prepare_metadata(batch)
             run = lambda: backend._extend(q, pool.k(0), pool.v(0), batch.attn_metadata)  # noqa: E731
             err = ((run().float() - want).norm() / want.norm()).item()

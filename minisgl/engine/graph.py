@@ -83,6 +83,18 @@ def capture_cuda(forward: Callable[[], tuple], pool, stream, device: torch.devic
     return graph, out
 
 
+def capture_each(engine: Engine, sizes: list[int], kind: str, capture_one: Callable[[int], None]) -> str:
+    """capture_one(size) for every size, largest first, under a progress bar; returns "in <time>[, <memory>]"."""
+    start = time.perf_counter()
+    emulate = not is_cuda(engine.device)
+    free_before = 0 if emulate else torch.cuda.mem_get_info(engine.device)[0]
+    show = engine.config.show_progress and engine.config.tp_info.is_primary()
+    for size in tqdm(sorted(sizes, reverse=True), desc=f"Capturing {kind}", unit="graph", disable=not show):
+        capture_one(size)
+    used = "" if emulate else f", {(free_before - torch.cuda.mem_get_info(engine.device)[0]) / 2**20:.0f} MiB"
+    return f"in {time.perf_counter() - start:.1f}s{used}"
+
+
 def capture_emulated(forward: Callable[[], tuple]):
     """(EmulatedGraph, fixed outputs): a replay re-runs forward() and copies its results into the outputs."""
     first = forward()  # the warm-up, as on a GPU
@@ -174,21 +186,16 @@ class GraphRunner:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size, largest first: the smaller graphs then reuse the shared pool's memory."""
-        start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.engine.device)[0] if not self.emulate else 0
-        show = self.engine.config.show_progress and self.engine.config.tp_info.is_primary()
         kind = "emulated graphs" if self.emulate else "CUDA graphs"
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc=f"Capturing {kind}", unit="graph", disable=not show):
-            batch = self._buffer_batch(bs)
-            if self.backend_hooks:
-                self.engine.attn_backend.prepare_for_capture(batch)
-            if self.emulate:
-                self.graphs[bs], self.outputs[bs] = self._capture_emulated(batch)
-            else:
-                self.graphs[bs], self.outputs[bs] = self._capture_cuda(batch)
-        used = (free_before - torch.cuda.mem_get_info(self.engine.device)[0]) / 2**20 if not self.emulate else 0
-        logger.info(f"Captured {len(self.sizes)} {kind} (batch sizes {self.sizes[0]}..{self.max_bs}) in "
-                    f"{time.perf_counter() - start:.1f}s" + (f", {used:.0f} MiB" if not self.emulate else ""))
+        done = capture_each(self.engine, self.sizes, kind, self._capture_one)
+        logger.info(f"Captured {len(self.sizes)} {kind} (batch sizes {self.sizes[0]}..{self.max_bs}) {done}")
+
+    def _capture_one(self, bs: int) -> None:
+        batch = self._buffer_batch(bs)
+        if self.backend_hooks:
+            self.engine.attn_backend.prepare_for_capture(batch)
+        capture = self._capture_emulated if self.emulate else self._capture_cuda
+        self.graphs[bs], self.outputs[bs] = capture(batch)
 
     def _capture_cuda(self, batch: Batch):
         return capture_cuda(lambda: self._forward(batch), self._pool, self._stream, self.engine.device)
@@ -312,22 +319,19 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size, largest first, into one memory pool."""
-        start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.engine.device)[0] if not self.emulate else 0
-        show = self.engine.config.show_progress and self.engine.config.tp_info.is_primary()
         kind = "emulated prefill graphs" if self.emulate else "prefill CUDA graphs"
-        for n in tqdm(sorted(self.sizes, reverse=True), desc=f"Capturing {kind}", unit="graph", disable=not show):
-            batch = self._buffer_batch(n)
-            self.engine.attn_backend.prepare_prefill_capture(batch, n)
-            forward = lambda b=batch: self._forward(b)  # noqa: E731
-            if self.emulate:
-                self.graphs[n], self.outputs[n] = capture_emulated(forward)
-            else:
-                self.graphs[n], self.outputs[n] = capture_cuda(forward, self._pool, self._stream, self.engine.device)
-        used = (free_before - torch.cuda.mem_get_info(self.engine.device)[0]) / 2**20 if not self.emulate else 0
+        done = capture_each(self.engine, self.sizes, kind, self._capture_one)
         logger.info(f"Captured {len(self.sizes)} {kind} ({self.sizes[0]}..{self.max_tokens} tokens, up to "
-                    f"{self.max_reqs} requests) in {time.perf_counter() - start:.1f}s"
-                    + (f", {used:.0f} MiB" if not self.emulate else ""))
+                    f"{self.max_reqs} requests) {done}")
+
+    def _capture_one(self, num_tokens: int) -> None:
+        batch = self._buffer_batch(num_tokens)
+        self.engine.attn_backend.prepare_prefill_capture(batch, num_tokens)
+        if self.emulate:
+            self.graphs[num_tokens], self.outputs[num_tokens] = capture_emulated(lambda: self._forward(batch))
+        else:
+            self.graphs[num_tokens], self.outputs[num_tokens] = capture_cuda(
+                lambda: self._forward(batch), self._pool, self._stream, self.engine.device)
 
     def can_run(self, batch: Batch) -> bool:
         return batch.is_prefill and batch.num_tokens <= self.max_tokens and batch.size <= self.max_reqs
