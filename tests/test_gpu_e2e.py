@@ -75,8 +75,8 @@ def test_fast_path_equals_reference_one_request_at_a_time_qwen3_06b_bf16():
     output projection, gives the reference path's greedy tokens (bf16 near-ties allowed as above)."""
     model = os.path.join(CONFIGS, "qwen3-0.6b")
     prompts = [random_prompt(n, 151936, seed=n) for n in (128, 700)]
-    common = dict(dtype=torch.bfloat16, load_format="dummy", num_page_override=4096, max_seq_len_override=2048,
-                  max_running_req=1)
+    common = {"dtype": torch.bfloat16, "load_format": "dummy", "num_page_override": 4096,
+              "max_seq_len_override": 2048, "max_running_req": 1}
     ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=1, overlap=True, **common)
     _assert_same_greedy(fast, ref, tie=0.5)

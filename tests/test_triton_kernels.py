@@ -346,7 +346,7 @@ def test_decode_matches_reference(page_size, heads):
 def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sms, monkeypatch):
     """num_sms sets the split count (one program wanted per SM here): 1 split, or as many as there are
     key blocks (so short requests leave most of their splits empty and the merge must ignore them)."""
-    import minisgl.attention.triton_backend as triton_backend
+    from minisgl.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "_WAVES", 1)
     seq_lens = [2, 95, 17]

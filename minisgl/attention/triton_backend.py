@@ -367,7 +367,7 @@ class TritonAttnBackend(BaseAttnBackend):
         """fused = (rope, k, v, out_loc): q, k, v are unrotated and the kernel rotates them and stores k/v.
         defer_merge: one request's several splits come back unmerged (SplitAttention) for the output
         projection's GEMV to merge."""
-        bs, num_heads, head_dim = q.shape
+        bs, _, head_dim = q.shape
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         block_d = triton.next_power_of_2(head_dim)
         block_h = max(16, triton.next_power_of_2(self.group))  # tl.dot needs >= 16 rows on a GPU

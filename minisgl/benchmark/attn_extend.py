@@ -40,6 +40,10 @@ def _setup(reqs: int, new: int, cached: int, device: torch.device):
     return AttnConfig(HEADS, KV_HEADS, HEAD_DIM, MAX_SEQ, device, torch.bfloat16), pool, table, batch
 
 
+def _extend(backend: TritonAttnBackend, q: torch.Tensor, pool: KVPool, batch: Batch) -> torch.Tensor:
+    return backend._extend(q, pool.k(0), pool.v(0), batch.attn_metadata)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=20)
@@ -57,14 +61,13 @@ def main() -> None:
             backend.extend_blocks = (block_m, block_n)
             backend.extend_launch = {"num_warps": warps, "num_stages": stages}
             backend.prepare_metadata(batch)
-            run = lambda: backend._extend(q, pool.k(0), pool.v(0), batch.attn_metadata)  # noqa: E731
-            err = ((run().float() - want).norm() / want.norm()).item()
+            err = ((_extend(backend, q, pool, batch).float() - want).norm() / want.norm()).item()
             for _ in range(3):
-                run()
+                _extend(backend, q, pool, batch)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(args.repeat):
-                run()
+                _extend(backend, q, pool, batch)
             end.record()
             torch.cuda.synchronize()
             us = start.elapsed_time(end) / args.repeat * 1e3

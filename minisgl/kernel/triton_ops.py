@@ -338,11 +338,11 @@ def _merged_input(o_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, off
     o_row = o_ptr + head * stride_oh + offs_k % HEAD_D
     lse_row = lse_ptr + head * stride_lh
     m = tl.full(offs_k.shape, float("-inf"), dtype=tl.float32)
-    for s in range(0, n_splits):
+    for s in range(n_splits):
         m = tl.maximum(m, tl.load(lse_row + s, mask=k_mask, other=0.0))
     acc = tl.zeros(offs_k.shape, dtype=tl.float32)
     total = tl.zeros(offs_k.shape, dtype=tl.float32)
-    for s in range(0, n_splits):
+    for s in range(n_splits):
         w = tl.exp2(tl.load(lse_row + s, mask=k_mask, other=0.0) - m)
         acc += w * tl.load(o_row + s * stride_os, mask=k_mask, other=0.0)
         total += w
