@@ -365,7 +365,7 @@ def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(n
     """With a Rope the decode kernel takes the projection's raw q/k/v: the pool rows of the new tokens
     get the rotated k (as the rotary kernel computes it) and v, no other row changes, and the output is
     attention over the pool with the rotated q (naive reference on reference-rotated q)."""
-    from minisgl.attention.base import Rope
+    from minisgl.kernel import Rope
 
     seq_lens = [1, 23, 50]
     setup = PagedSetup(4, 4, 2, seq_lens)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
+
+from minisgl.kernel import Rope
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -22,17 +24,6 @@ class AttnConfig:
     max_seq_len: int
     device: torch.device
     dtype: torch.dtype
-
-
-class Rope(NamedTuple):
-    """Rotary embedding for a backend that applies it inside attention (see fuses_rope): neox layout,
-    cos|sin table [max_pos, rot_dim] float32; q_weight/k_weight: Qwen3's per-head RMSNorm first."""
-
-    positions: torch.Tensor  # [T] position of each new token
-    cos_sin_cache: torch.Tensor
-    q_weight: Optional[torch.Tensor]
-    k_weight: Optional[torch.Tensor]
-    eps: float
 
 
 class BaseAttnBackend(ABC):

@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import SplitAttention, triton_ops
+from minisgl.kernel import Rope, SplitAttention, triton_ops
 from minisgl.kernel.triton_ops import gdc_begin, rope_consts, rope_rows
 from minisgl.utils.device import HostRing
 
-from .base import AttnConfig, BaseAttnBackend, Rope
+from .base import AttnConfig, BaseAttnBackend
 
 if TYPE_CHECKING:
     from minisgl.core import Batch

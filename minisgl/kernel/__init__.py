@@ -19,6 +19,17 @@ _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
 _HALF = (torch.bfloat16, torch.float16)
 
 
+class Rope(NamedTuple):
+    """Rotary embedding for an attention backend that applies it inside its kernel (fuses_rope): neox
+    layout, cos|sin table [max_pos, rot_dim] float32; q_weight/k_weight: Qwen3's per-head RMSNorm first."""
+
+    positions: torch.Tensor  # [T] position of each new token
+    cos_sin_cache: torch.Tensor
+    q_weight: Optional[torch.Tensor]
+    k_weight: Optional[torch.Tensor]
+    eps: float
+
+
 class SplitAttention(NamedTuple):
     """A split-KV decode attention output still in parts, handed to the output projection so that one
     kernel merges the splits and multiplies (at batch size 1 on a GPU); linear() merges it first anywhere

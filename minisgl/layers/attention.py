@@ -7,9 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from minisgl.attention.base import Rope
 from minisgl.core import get_global_ctx
-from minisgl.kernel import SplitAttention
+from minisgl.kernel import Rope, SplitAttention
 
 
 class AttentionLayer(nn.Module):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from minisgl import kernel
-from minisgl.attention.base import Rope
+from minisgl.kernel import Rope
 
 
 def _inv_freq(rot_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
