@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,8 +28,8 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 1024
     ignore_eos: bool = False
-    seed: Optional[int] = None
-    stop_token_ids: List[int] = field(default_factory=list)
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -36,8 +37,11 @@ class SamplingParams:
         """Raise ValueError naming the offending field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -62,7 +66,7 @@ class Req:
     """
 
     uid: int
-    token_ids: List[int]
+    token_ids: list[int]
     sampling_params: SamplingParams
     prompt_len: int = -1
     table_idx: int = -1  # row in the page table and token pool; -1 while not admitted
@@ -70,10 +74,10 @@ class Req:
     device_len: int = 0  # tokens whose KV exists once the step in flight finishes
     cache_handle: Any = None  # the prefix-cache node locked for this request
     cache_len: int = 0  # tokens covered by cache_handle (held by the prefix cache)
-    pages: List[int] = field(default_factory=list)  # KV pages covering positions 0.., in order
+    pages: list[int] = field(default_factory=list)  # KV pages covering positions 0.., in order
     table_len: int = 0  # positions whose slots are written in the device page table
     finished: bool = False
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     max_total_len: int = 0  # prompt + max_tokens, capped by the model's maximum length
     arrival: int = 0  # admission order; the newest running request is retracted first
 
@@ -82,8 +86,8 @@ class Req:
             self.prompt_len = len(self.token_ids)
 
     @property
-    def output_ids(self) -> List[int]:
-        return self.token_ids[self.prompt_len:]
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
 
     @property
     def output_len(self) -> int:
@@ -104,26 +108,28 @@ class Batch:
     (`sample_mask`); a prefill chunk that stops inside the prompt does not.
     """
 
-    reqs: List[Req]
+    reqs: list[Req]
     phase: str  # "prefill" or "decode"
-    prefix_lens: List[int]
-    extend_lens: List[int]
-    sample_mask: List[bool]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample_mask: list[bool]
     # device tensors, filled by the scheduler's batch preparation
-    input_ids: Optional[torch.Tensor] = None  # [num_tokens] (decode: read from the token pool by the engine)
-    positions: Optional[torch.Tensor] = None  # [num_tokens]
-    out_loc: Optional[torch.Tensor] = None  # [num_tokens] KV slot each new token writes
-    table_idx: Optional[torch.Tensor] = None  # [batch] page-table rows
-    seq_lens_t: Optional[torch.Tensor] = None  # [batch] prefix + extend, on the device
+    input_ids: torch.Tensor | None = None  # [num_tokens] (decode: read from the token pool by the engine)
+    positions: torch.Tensor | None = None  # [num_tokens]
+    out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token writes
+    table_idx: torch.Tensor | None = None  # [batch] page-table rows
+    seq_lens_t: torch.Tensor | None = None  # [batch] prefix + extend, on the device
     attn_metadata: Any = None  # owned by the attention backend
     # (rows, positions, slots): page-table entries the engine writes before the forward; decode's are
     # (table_idx, positions, out_loc), and its input ids are read from the token pool by the engine
-    pt_writes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    graph_inputs: Optional[torch.Tensor] = None  # decode: [4, batch] rows positions, out_loc, table_idx, seq_lens
+    pt_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    graph_inputs: torch.Tensor | None = (
+        None  # decode: [4, batch] rows positions, out_loc, table_idx, seq_lens
+    )
     # sampling: which flat rows give logits, and where each sampled token goes in the token pool
-    logits_idx: Optional[torch.Tensor] = None  # [num_sampled] (None in decode: every row samples)
-    sample_table_idx: Optional[torch.Tensor] = None  # [num_sampled]
-    sample_pos: Optional[torch.Tensor] = None  # [num_sampled] position of the sampled token
+    logits_idx: torch.Tensor | None = None  # [num_sampled] (None in decode: every row samples)
+    sample_table_idx: torch.Tensor | None = None  # [num_sampled]
+    sample_pos: torch.Tensor | None = None  # [num_sampled] position of the sampled token
     sampling_info: Any = None  # engine/sampler.py SamplingInfo
     padded_size: int = 0  # batch size after padding for a CUDA graph (decode only)
 
@@ -140,7 +146,7 @@ class Batch:
         return self.phase == "decode"
 
     @property
-    def seq_lens(self) -> List[int]:
+    def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
     @property
@@ -153,9 +159,9 @@ class Context:
     """Per-process state the layers read during a forward pass."""
 
     page_size: int
-    kv_pool: "KVPool"
-    attn_backend: "BaseAttnBackend"
-    batch: Optional[Batch] = None
+    kv_pool: KVPool
+    attn_backend: BaseAttnBackend
+    batch: Batch | None = None
 
     @contextlib.contextmanager
     def forward_batch(self, batch: Batch) -> Iterator[Batch]:
@@ -167,10 +173,10 @@ class Context:
             self.batch = None
 
 
-_GLOBAL_CTX: Optional[Context] = None
+_GLOBAL_CTX: Context | None = None
 
 
-def set_global_ctx(ctx: Optional[Context]) -> None:
+def set_global_ctx(ctx: Context | None) -> None:
     global _GLOBAL_CTX
     _GLOBAL_CTX = ctx
 

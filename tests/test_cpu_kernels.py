@@ -78,7 +78,7 @@ def test_half_precision_linear_is_the_float64_product_rounded_once(dtype, rows):
     assert got.dtype == dtype and got.shape == (rows, 130)
     exact = F.linear(x.double(), w.double(), b.double())
     # float32 accumulation may land one rounding step of the dtype away from the exact product
-    step = (exact.abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)).clamp_min(1e-3)
+    step = (exact.abs() * (2**-7 if dtype == torch.bfloat16 else 2**-10)).clamp_min(1e-3)
     assert ((got.double() - exact).abs() <= step).all()
 
 
@@ -173,15 +173,23 @@ def test_bf16_model_keeps_a_float32_kv_pool_and_decodes_like_the_torch_backend()
     slots = torch.randperm(69, generator=g).to(torch.int32)
     start = 0
     for row, n in enumerate(lens):
-        table[row, :n] = slots[start:start + n]
+        table[row, :n] = slots[start : start + n]
         start += n
-    batch = Batch([Req(i, [0], SamplingParams()) for i in range(3)], "decode", [n - 1 for n in lens], [1] * 3,
-                  [True] * 3)
+    batch = Batch(
+        [Req(i, [0], SamplingParams()) for i in range(3)],
+        "decode",
+        [n - 1 for n in lens],
+        [1] * 3,
+        [True] * 3,
+    )
     batch.table_idx = torch.arange(3, dtype=torch.int32)
     batch.seq_lens_t = torch.tensor(lens, dtype=torch.int32)
     batch.out_loc = torch.stack([table[r, n - 1] for r, n in enumerate(lens)])
     q = torch.randn(3, Hq, D, generator=g).bfloat16()
-    k, v = pool.k_buffer[0, batch.out_loc.long()].bfloat16(), pool.v_buffer[0, batch.out_loc.long()].bfloat16()
+    k, v = (
+        pool.k_buffer[0, batch.out_loc.long()].bfloat16(),
+        pool.v_buffer[0, batch.out_loc.long()].bfloat16(),
+    )
     backend = create_attn_backend("auto", cfg, pool, table)
     assert isinstance(backend, CpuAttnBackend)
     backend.prepare_metadata(batch)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import TINY_SPECS, build_tiny_model, make_llm, random_prompt
+
 from minisgl.core import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -37,8 +37,10 @@ def _assert_same_greedy(fast, ref, tie: float) -> None:
         (_, lp1), (_, lp2) = r["top_logprobs"][j][:2]
         (_, fp1), (_, fp2) = f["top_logprobs"][j][:2]
         if lp1 - lp2 >= tie:
-            bad.append(f"prompt {i}: first difference at token {j}, reference top-2 gap {lp1 - lp2:.3g}, "
-                       f"fast path top-2 gap {fp1 - fp2:.3g}")
+            bad.append(
+                f"prompt {i}: first difference at token {j}, reference top-2 gap {lp1 - lp2:.3g}, "
+                f"fast path top-2 gap {fp1 - fp2:.3g}"
+            )
     assert not bad, "\n".join(bad)
 
 
@@ -48,11 +50,19 @@ def test_fast_path_equals_reference_tiny_fp32(tmp_path):
     model = build_tiny_model(spec, str(tmp_path / "tiny"))
     vocab = spec.config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed=n) for n in (3, 17, 64, 130, 5, 33, 250, 8)]
-    common = dict(dtype=torch.float32, num_page_override=8192, max_seq_len_override=1024)
+    common = {"dtype": torch.float32, "num_page_override": 8192, "max_seq_len_override": 1024}
     ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     for page_size in (1, 16):
-        fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=16, overlap=True, page_size=page_size,
-                    **common)
+        fast = _run(
+            model,
+            prompts,
+            32,
+            attn="triton",
+            cuda_graph_max_bs=16,
+            overlap=True,
+            page_size=page_size,
+            **common,
+        )
         _assert_same_greedy(fast, ref, tie=1e-4)
 
 
@@ -60,7 +70,12 @@ def test_fast_path_equals_reference_tiny_fp32(tmp_path):
 def test_fast_path_equals_reference_qwen3_06b_bf16():
     model = os.path.join(CONFIGS, "qwen3-0.6b")
     prompts = [random_prompt(n, 151936, seed=n) for n in (7, 20, 64, 100, 3, 300, 33, 512)]
-    common = dict(dtype=torch.bfloat16, load_format="dummy", num_page_override=16384, max_seq_len_override=2048)
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "num_page_override": 16384,
+        "max_seq_len_override": 2048,
+    }
     ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=16, overlap=True, **common)
     # bf16 logits of these random weights are tens in size, so one bf16 rounding step is 0.06-0.25: two
@@ -75,8 +90,13 @@ def test_fast_path_equals_reference_one_request_at_a_time_qwen3_06b_bf16():
     output projection, gives the reference path's greedy tokens (bf16 near-ties allowed as above)."""
     model = os.path.join(CONFIGS, "qwen3-0.6b")
     prompts = [random_prompt(n, 151936, seed=n) for n in (128, 700)]
-    common = {"dtype": torch.bfloat16, "load_format": "dummy", "num_page_override": 4096,
-              "max_seq_len_override": 2048, "max_running_req": 1}
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "num_page_override": 4096,
+        "max_seq_len_override": 2048,
+        "max_running_req": 1,
+    }
     ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=1, overlap=True, **common)
     _assert_same_greedy(fast, ref, tie=0.5)

@@ -13,7 +13,10 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 BF16_TOL = {"atol": 2e-2, "rtol": 1.6e-2}
 QWEN3_06B = os.path.join(os.path.dirname(__file__), "..", "minisgl", "benchmark", "configs", "qwen3-0.6b")
@@ -30,17 +33,21 @@ def test_norms_and_silu_match_reference_at_model_shapes():
 
     torch.manual_seed(0)
     x, res, w = _randn(4096, 4096), _randn(4096, 4096), _randn(4096)
-    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-6).float(), ref.rms_norm(x, w, 1e-6).float(), **BF16_TOL)
+    torch.testing.assert_close(
+        triton_ops.rms_norm(x, w, 1e-6).float(), ref.rms_norm(x, w, 1e-6).float(), **BF16_TOL
+    )
     want, want_res = ref.fused_add_rms_norm(x, res.clone(), w, 1e-6)
     got, got_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-6)
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
     torch.testing.assert_close(got_res.float(), want_res.float(), **BF16_TOL)
     q = _randn(4096, 16, 128)  # Qwen3's per-head q norm
-    torch.testing.assert_close(triton_ops.rms_norm(q, w[:128], 1e-6).float(), ref.rms_norm(q, w[:128], 1e-6).float(),
-                               **BF16_TOL)
+    torch.testing.assert_close(
+        triton_ops.rms_norm(q, w[:128], 1e-6).float(), ref.rms_norm(q, w[:128], 1e-6).float(), **BF16_TOL
+    )
     gate_up = _randn(4096, 2 * 14336)
-    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up).float(), ref.silu_and_mul(gate_up).float(),
-                               **BF16_TOL)
+    torch.testing.assert_close(
+        triton_ops.silu_and_mul(gate_up).float(), ref.silu_and_mul(gate_up).float(), **BF16_TOL
+    )
 
 
 @pytest.mark.parametrize("rot_dim", [128, 64])
@@ -53,9 +60,11 @@ def test_rotary_matches_reference_at_model_shapes(rot_dim):
     T, Hq, Hk, D = 4096, 32, 8, 128
     cache = RotaryEmbedding(D, 32768, 500000.0, partial_factor=rot_dim / D).cos_sin_cache.cuda()
     qkv = _randn(T, (Hq + 2 * Hk) * D)
-    q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
     positions = torch.randint(0, 32768, (T,), device="cuda", dtype=torch.int32)
-    for got, want in zip(triton_ops.apply_rotary(q, k, positions, cache), ref.apply_rotary(q, k, positions, cache)):
+    for got, want in zip(
+        triton_ops.apply_rotary(q, k, positions, cache), ref.apply_rotary(q, k, positions, cache)
+    ):
         torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
 
 
@@ -71,7 +80,7 @@ def test_qk_norm_rotary_matches_reference_at_model_shapes():
     q_w, k_w = 1 + 0.1 * _randn(D), 1 + 0.1 * _randn(D)
     for T in (1, 4096):
         qkv = _randn(T, (Hq + 2 * Hk) * D)
-        q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+        q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
         positions = torch.randint(0, 40960, (T,), device="cuda", dtype=torch.int32)
         got = triton_ops.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
         want = ref.qk_norm_rotary(q.float(), k.float(), q_w.float(), k_w.float(), 1e-6, positions, cache)
@@ -80,8 +89,15 @@ def test_qk_norm_rotary_matches_reference_at_model_shapes():
 
 
 # (N, K) of Qwen3-0.6B's projections (qkv, o, gate|up, down) and its LM head, and of Qwen3-8B's qkv/down
-GEMV_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (6144, 4096),
-               (4096, 12288)]
+GEMV_SHAPES = [
+    (4096, 1024),
+    (1024, 2048),
+    (6144, 1024),
+    (1024, 3072),
+    (151936, 1024),
+    (6144, 4096),
+    (4096, 12288),
+]
 
 
 @pytest.mark.parametrize("n,k", GEMV_SHAPES)
@@ -91,7 +107,7 @@ def test_gemv_matches_float32_linear_at_model_shapes(n, k):
     from minisgl.kernel import triton_ops
 
     torch.manual_seed(n + k)
-    w, b = _randn(n, k, scale=k ** -0.5), _randn(n)
+    w, b = _randn(n, k, scale=k**-0.5), _randn(n)
     x = _randn(1, 2 * k)
     for bias in (None, b):
         for gated in (False, True):
@@ -109,7 +125,7 @@ def test_gemv_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
     from minisgl.kernel import triton_ops
 
     torch.manual_seed(n + k + 1)
-    w, b, nw = _randn(n, k, scale=k ** -0.5), _randn(n), 1 + 0.1 * _randn(k)
+    w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), 1 + 0.1 * _randn(k)
     x, residual = _randn(1, k), _randn(1, k)
     for res in (None, residual):
         y, h = triton_ops.gemv_add_rms_norm(x, res, nw, 1e-6, w, b)
@@ -129,7 +145,7 @@ def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     k_cache = torch.zeros(slots, H, D, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.zeros_like(k_cache)
     kv = _randn(T, 2 * H * D)
-    k, v = kv[:, : H * D].view(T, H, D), kv[:, H * D:].view(T, H, D)
+    k, v = kv[:, : H * D].view(T, H, D), kv[:, H * D :].view(T, H, D)
     loc = torch.randperm(slots, device="cuda")[:T].to(torch.int32)
     loc[0] = slots - 1
     k_want, v_want = k_cache.clone(), v_cache.clone()
@@ -156,7 +172,7 @@ def _paged(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seq
     used = 0
     for row, n in enumerate(seq_lens):
         num = -(-n // page_size)
-        own = pages[used: used + num]
+        own = pages[used : used + num]
         used += num
         table[row, :n] = (own[:, None] * page_size + torch.arange(page_size, device="cuda")).flatten()[:n]
     config = AttnConfig(num_heads, num_kv_heads, head_dim, max_seq, torch.device("cuda"), torch.bfloat16)
@@ -170,7 +186,7 @@ def _batch(phase, table, prefix_lens, extend_lens):
     batch = Batch(reqs, phase, list(prefix_lens), list(extend_lens), [True] * len(reqs))
     batch.table_idx = torch.arange(len(reqs), dtype=torch.int32, device="cuda")
     batch.seq_lens_t = torch.tensor(batch.seq_lens, dtype=torch.int32, device="cuda")
-    batch.out_loc = torch.cat([table[r, p:p + e] for r, (p, e) in enumerate(zip(prefix_lens, extend_lens))])
+    batch.out_loc = torch.cat([table[r, p : p + e] for r, (p, e) in enumerate(zip(prefix_lens, extend_lens))])
     return batch
 
 
@@ -201,7 +217,9 @@ def test_decode_matches_torch_backend_at_model_shapes(page_size, heads, batch_si
     if batch_size > 1:
         seq_lens[1] = 1
     config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len)
-    _compare_backends(config, pool, table, _batch("decode", table, [n - 1 for n in seq_lens], [1] * batch_size))
+    _compare_backends(
+        config, pool, table, _batch("decode", table, [n - 1 for n in seq_lens], [1] * batch_size)
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -219,9 +237,19 @@ def test_extend_matches_torch_backend_at_model_shapes(page_size, heads):
 def qwen3_engine():
     from minisgl.engine import Engine, EngineConfig
 
-    config = EngineConfig(model_path=QWEN3_06B, dtype=torch.bfloat16, device="cuda", attn="triton",
-                          load_format="dummy", page_size=16, num_pages=4096, max_running_req=64, max_seq_len=4096,
-                          cuda_graph_max_bs=64, show_progress=False)
+    config = EngineConfig(
+        model_path=QWEN3_06B,
+        dtype=torch.bfloat16,
+        device="cuda",
+        attn="triton",
+        load_format="dummy",
+        page_size=16,
+        num_pages=4096,
+        max_running_req=64,
+        max_seq_len=4096,
+        cuda_graph_max_bs=64,
+        show_progress=False,
+    )
     engine = Engine(config)
     engine.kv_pool.k_buffer.normal_()
     engine.kv_pool.v_buffer.normal_()
@@ -237,16 +265,24 @@ def _decode_batch(engine, seq_lens):
     ps, page, out_loc = engine.config.page_size, 0, []
     for row, n in enumerate(seq_lens):
         num = -(-n // ps)
-        engine.page_table[row, :n] = torch.arange(page * ps, (page + num) * ps, dtype=torch.int32, device="cuda")[:n]
+        engine.page_table[row, :n] = torch.arange(
+            page * ps, (page + num) * ps, dtype=torch.int32, device="cuda"
+        )[:n]
         out_loc.append(page * ps + n - 1)
         page += num
     assert page <= engine.num_pages
     bs = len(seq_lens)
-    batch = Batch([Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [n - 1 for n in seq_lens], [1] * bs,
-                  [True] * bs)
+    batch = Batch(
+        [Req(i, [0], SamplingParams()) for i in range(bs)],
+        "decode",
+        [n - 1 for n in seq_lens],
+        [1] * bs,
+        [True] * bs,
+    )
     batch.positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device="cuda")
     engine.token_pool[torch.arange(bs, device="cuda"), batch.positions] = torch.randint(
-        0, 151936, (bs,), dtype=torch.int32, device="cuda")  # the input tokens, where decode reads them
+        0, 151936, (bs,), dtype=torch.int32, device="cuda"
+    )  # the input tokens, where decode reads them
     batch.out_loc = torch.tensor(out_loc, dtype=torch.int32, device="cuda")
     batch.table_idx = torch.arange(bs, dtype=torch.int32, device="cuda")
     batch.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")

@@ -35,9 +35,17 @@ def model_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("graph_model")
-    LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_SEQ,
-                architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_SEQ,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -55,9 +63,19 @@ def _attn_backends():
 @pytest.fixture(scope="module", params=_attn_backends())
 def engine(request, model_dir):
     """An engine with graphs captured for 1, 2 and 4 requests (one engine per process)."""
-    config = EngineConfig(model_path=model_dir, dtype=torch.float32, device=DEVICE.type, attn=request.param,
-                          load_format="dummy", page_size=PAGE, num_pages=NUM_PAGES, max_running_req=8,
-                          max_seq_len=MAX_SEQ, cuda_graph_max_bs=MAX_BS, show_progress=False)
+    config = EngineConfig(
+        model_path=model_dir,
+        dtype=torch.float32,
+        device=DEVICE.type,
+        attn=request.param,
+        load_format="dummy",
+        page_size=PAGE,
+        num_pages=NUM_PAGES,
+        max_running_req=8,
+        max_seq_len=MAX_SEQ,
+        cuda_graph_max_bs=MAX_BS,
+        show_progress=False,
+    )
     eng = Engine(config)
     # weights far larger than the dummy init, so every input visibly changes the hidden states
     g = torch.Generator().manual_seed(0)
@@ -162,7 +180,9 @@ def test_prefill_graphs_are_off_on_a_cpu_by_default_when_disabled_and_for_backen
 
 def test_graphs_are_off_when_disabled_on_a_cpu_by_default_and_for_backends_without_hooks():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=None), device=cpu)) is None
+    assert (
+        GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=None), device=cpu)) is None
+    )
     assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=0), device=cpu)) is None
     assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=0), device=cuda)) is None
     no_hooks = SimpleNamespace(init_capture_graph=BaseAttnBackend.init_capture_graph.__get__(object()))
@@ -240,7 +260,9 @@ def test_padding_rows_write_only_the_dummy_slot(engine, runner):
     c = decode_batch(engine, rows=[5, 6, 7], seq_lens=[4, 11, 26], first_page=30, seed=12)
     got = replay(runner, c)
     assert c.padded_size == 4
-    changed = ((engine.kv_pool.k_buffer != before_k) | (engine.kv_pool.v_buffer != before_v)).flatten(2).any(-1)
+    changed = (
+        ((engine.kv_pool.k_buffer != before_k) | (engine.kv_pool.v_buffer != before_v)).flatten(2).any(-1)
+    )
     written = set(changed.any(0).nonzero().flatten().tolist())
     assert written <= set(c.out_loc.tolist()) | {runner.dummy_slot}
     assert runner.dummy_slot == NUM_PAGES * PAGE  # the page beyond num_pages, which the scheduler never owns

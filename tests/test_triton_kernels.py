@@ -53,7 +53,11 @@ def test_rms_norm_reads_strided_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_matches_reference(dtype):
-    x, res, w = _randn(9, 72, dtype=dtype), _randn(9, 72, dtype=dtype, seed=1), _randn(72, dtype=dtype, seed=2)
+    x, res, w = (
+        _randn(9, 72, dtype=dtype),
+        _randn(9, 72, dtype=dtype, seed=1),
+        _randn(72, dtype=dtype, seed=2),
+    )
     want_out, want_res = ref.fused_add_rms_norm(x, res.clone(), w, 1e-6)
     out, new_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-6)
     _close(out, want_out, dtype)
@@ -73,7 +77,7 @@ def test_apply_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
     T, Hq, Hk, D = 6, 4, 2, 24
     qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
     q = qkv[:, : Hq * D].view(T, Hq, D)  # strided views, as the attention layer passes them
-    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
     cache = _randn(100, rot_dim, seed=3)
     positions = torch.tensor([0, 5, 99, 17, 17, 42], dtype=torch.int32, device=DEVICE)
     q_out, k_out = triton_ops.apply_rotary(q, k, positions, cache)
@@ -89,7 +93,7 @@ def test_qk_norm_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
     T, Hq, Hk, D = 5, 4, 2, 24
     qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
     q = qkv[:, : Hq * D].view(T, Hq, D)
-    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
     q_w, k_w = _randn(D, dtype=dtype, seed=1), _randn(D, dtype=dtype, seed=2)
     cache = _randn(100, rot_dim, seed=3)
     positions = torch.tensor([0, 5, 99, 17, 42], dtype=torch.int32, device=DEVICE)
@@ -109,8 +113,8 @@ def test_rotary_with_kv_store_writes_the_rotated_k_and_v_into_the_pool_rows_only
     T, Hq, Hk, D, slots = 5, 4, 2, 24, 32
     qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
     q = qkv[:, : Hq * D].view(T, Hq, D)
-    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
-    v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    v = qkv[:, (Hq + Hk) * D :].view(T, Hk, D)
     q_w, k_w = _randn(D, dtype=dtype, seed=1), _randn(D, dtype=dtype, seed=2)
     cache = _randn(100, 16, seed=3)
     positions = torch.tensor([0, 5, 99, 17, 42], dtype=torch.int32, device=DEVICE)
@@ -168,7 +172,11 @@ def test_gemv_add_rms_norm_matches_norm_then_linear(tiles, dtype, with_residual)
     """h = x + residual and rms_norm(h) W^T + b in one launch (h is exact on a GPU: test_gpu_kernels)."""
     x = _randn(1, 40, dtype=dtype)
     residual = _randn(1, 40, dtype=dtype, seed=1) if with_residual else None
-    nw, w, b = _randn(40, dtype=dtype, seed=2), _randn(37, 40, dtype=dtype, seed=3), _randn(37, dtype=dtype, seed=4)
+    nw, w, b = (
+        _randn(40, dtype=dtype, seed=2),
+        _randn(37, 40, dtype=dtype, seed=3),
+        _randn(37, dtype=dtype, seed=4),
+    )
     y, h = triton_ops.gemv_add_rms_norm(x, residual, nw, 1e-6, w, b, tiles=tiles)
     want_h = x if residual is None else residual + x
     _close(h, want_h, dtype)  # the interpreter's float32 -> bf16 cast may round differently from torch's
@@ -233,7 +241,7 @@ def test_gemv_serves_one_half_precision_row_only():
 def test_store_kv_writes_the_given_slots_only():
     T, H, D = 5, 2, 24
     kv = _randn(T, 2 * H * D)
-    k, v = kv[:, : H * D].view(T, H, D), kv[:, H * D:].view(T, H, D)
+    k, v = kv[:, : H * D].view(T, H, D), kv[:, H * D :].view(T, H, D)
     loc = torch.tensor([31, 0, 7, 12, 40], dtype=torch.int32, device=DEVICE)
     k_cache, v_cache = _randn(48, H, D, seed=1), _randn(48, H, D, seed=2)
     k_want, v_want = k_cache.clone(), v_cache.clone()
@@ -271,8 +279,12 @@ class PagedSetup:
         batch = Batch(reqs, phase, list(prefix_lens), list(extend_lens), [True] * len(reqs))
         batch.table_idx = torch.tensor(self.rows, dtype=torch.int32, device=DEVICE)
         batch.seq_lens_t = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
-        batch.out_loc = torch.cat([self.page_table[r, p:p + e] for r, p, e in zip(self.rows, prefix_lens, extend_lens)])
-        batch.positions = torch.cat([torch.arange(p, p + e, device=DEVICE) for p, e in zip(prefix_lens, extend_lens)])
+        batch.out_loc = torch.cat(
+            [self.page_table[r, p : p + e] for r, p, e in zip(self.rows, prefix_lens, extend_lens)]
+        )
+        batch.positions = torch.cat(
+            [torch.arange(p, p + e, device=DEVICE) for p, e in zip(prefix_lens, extend_lens)]
+        )
         return batch
 
 
@@ -308,15 +320,25 @@ def _run_both(setup: PagedSetup, batch: Batch, seed: int = 5, num_sms: int = 0):
         triton_backend.num_sms = num_sms
     triton_backend.prepare_metadata(batch)
     meta = batch.attn_metadata
-    if batch.is_decode and meta.mid_o is not None:  # empty splits are never written: the merge must not read them
+    if (
+        batch.is_decode and meta.mid_o is not None
+    ):  # empty splits are never written: the merge must not read them
         meta.mid_o.fill_(float("nan"))
         meta.mid_lse.fill_(float("nan"))
     out = triton_backend.forward(q, k, v, 0, batch)
     # the new K/V are in the pool now; the references read them from there
     assert torch.equal(setup.pool.k(0)[batch.out_loc.long()], k)
     assert torch.equal(setup.pool.v(0)[batch.out_loc.long()], v)
-    want = naive_attention(q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows, batch.prefix_lens,
-                           batch.extend_lens, HEAD_DIM ** -0.5)
+    want = naive_attention(
+        q,
+        setup.pool.k(0),
+        setup.pool.v(0),
+        setup.page_table,
+        setup.rows,
+        batch.prefix_lens,
+        batch.extend_lens,
+        HEAD_DIM**-0.5,
+    )
     torch_backend = TorchAttnBackend(cfg, setup.pool, setup.page_table)
     torch_backend.prepare_metadata(batch)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
@@ -373,14 +395,17 @@ def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(n
     B, Hq, Hk, D = 3, 4, 2, HEAD_DIM
     qkv = _randn(B, (Hq + 2 * Hk) * D, seed=11)
     q = qkv[:, : Hq * D].view(B, Hq, D)
-    k = qkv[:, Hq * D: (Hq + Hk) * D].view(B, Hk, D)
-    v = qkv[:, (Hq + Hk) * D:].view(B, Hk, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(B, Hk, D)
+    v = qkv[:, (Hq + Hk) * D :].view(B, Hk, D)
     q_w, k_w = (_randn(D, seed=12), _randn(D, seed=13)) if norm else (None, None)
     cache = _randn(MAX_SEQ, rot_dim, seed=14)
     weights = (q_w, k_w, 1e-6) if norm else ()
-    want_q, want_k = (ref.qk_norm_rotary if norm else ref.apply_rotary)(q, k, *weights, batch.positions, cache)
-    _, kernel_k = (triton_ops.qk_norm_rotary if norm else triton_ops.apply_rotary)(q, k, *weights, batch.positions,
-                                                                                   cache)
+    want_q, want_k = (ref.qk_norm_rotary if norm else ref.apply_rotary)(
+        q, k, *weights, batch.positions, cache
+    )
+    _, kernel_k = (triton_ops.qk_norm_rotary if norm else triton_ops.apply_rotary)(
+        q, k, *weights, batch.positions, cache
+    )
     k_before, v_before = setup.pool.k(0).clone(), setup.pool.v(0).clone()
     backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
     backend.num_sms = num_sms
@@ -394,8 +419,16 @@ def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(n
     others[rows] = False
     assert torch.equal(setup.pool.k(0)[others], k_before[others])
     assert torch.equal(setup.pool.v(0)[others], v_before[others])
-    want = naive_attention(want_q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows,
-                           batch.prefix_lens, batch.extend_lens, HEAD_DIM ** -0.5)
+    want = naive_attention(
+        want_q,
+        setup.pool.k(0),
+        setup.pool.v(0),
+        setup.page_table,
+        setup.rows,
+        batch.prefix_lens,
+        batch.extend_lens,
+        HEAD_DIM**-0.5,
+    )
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
@@ -411,8 +444,16 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     q = _randn(2, 4, HEAD_DIM, seed=7)
     k, v = _randn(2, 2, HEAD_DIM, seed=8), _randn(2, 2, HEAD_DIM, seed=9)
     out = backend.forward(q, k, v, 0, batch)
-    want = naive_attention(q, setup.pool.k(0), setup.pool.v(0), setup.page_table, setup.rows, batch.prefix_lens,
-                           batch.extend_lens, HEAD_DIM ** -0.5)
+    want = naive_attention(
+        q,
+        setup.pool.k(0),
+        setup.pool.v(0),
+        setup.page_table,
+        setup.rows,
+        batch.prefix_lens,
+        batch.extend_lens,
+        HEAD_DIM**-0.5,
+    )
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
@@ -443,8 +484,9 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
     vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 4), (3, 5), (40, 6), (9, 7)]]
     prompts.append(prompts[2][:30] + [7, 8])
-    kwargs = tiny_llm_kwargs(attn="triton", page_size=4, cuda_graph_max_bs=4, cuda_graph_max_prefill=32,
-                             max_prefill_length=16)
+    kwargs = tiny_llm_kwargs(
+        attn="triton", page_size=4, cuda_graph_max_bs=4, cuda_graph_max_prefill=32, max_prefill_length=16
+    )
     with make_llm(tiny_model_dirs["qwen3"], **kwargs) as llm:
         runner = llm.scheduler.engine.prefill_graphs
         assert runner is not None and runner.sizes == [16, 32]
@@ -460,8 +502,13 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
         assert len(prefill_steps) >= 5 and runner.replays == len(prefill_steps)
         assert any(n < 16 for n in prefill_steps)  # some steps were padded
         # a batch of more requests than a graph holds, or of more tokens than the largest, runs eagerly
-        many = Batch([None] * (runner.max_reqs + 1), "prefill", [0] * (runner.max_reqs + 1),
-                     [1] * (runner.max_reqs + 1), [True] * (runner.max_reqs + 1))
+        many = Batch(
+            [None] * (runner.max_reqs + 1),
+            "prefill",
+            [0] * (runner.max_reqs + 1),
+            [1] * (runner.max_reqs + 1),
+            [True] * (runner.max_reqs + 1),
+        )
         long = Batch([None], "prefill", [0], [runner.max_tokens + 1], [True])
         assert not runner.can_run(many) and not runner.can_run(long)
         assert runner.can_run(Batch([None], "prefill", [0], [runner.max_tokens], [True]))

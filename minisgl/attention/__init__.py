@@ -40,13 +40,19 @@ def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None
     """`auto`: triton on CUDA (when importable); cpu on a CPU where its C kernel builds; torch elsewhere."""
     _register_optional()
     if name in _NOT_BUILT and name not in ATTN_BACKENDS:
-        raise ValueError(f"attention backend {name!r} ({_NOT_BUILT[name]}) is not available in this build; "
-                         f"supported: {', '.join(ATTN_BACKENDS.names())} (triton is the fast path on GPUs)")
+        raise ValueError(
+            f"attention backend {name!r} ({_NOT_BUILT[name]}) is not available in this build; "
+            f"supported: {', '.join(ATTN_BACKENDS.names())} (triton is the fast path on GPUs)"
+        )
     if name != "auto":
         return name
     if device.type == "cuda" and "triton" in ATTN_BACKENDS:
         return "triton"
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_kernels.available():
+    if (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and cpu_kernels.available()
+    ):
         return "cpu"
     return "torch"
 
@@ -58,16 +64,27 @@ def kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch
     return torch.float32 if "cpu" in names else dtype
 
 
-def create_attn_backend(name: str, config: AttnConfig, kv_pool: "KVPool",
-                        page_table: torch.Tensor) -> BaseAttnBackend:
+def create_attn_backend(
+    name: str, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor
+) -> BaseAttnBackend:
     """`name` is one backend, `auto`, or a `prefill,decode` pair."""
     _register_optional()
     if "," in name:
         prefill, decode = (resolve_attn_name(n.strip(), config.device, config.dtype) for n in name.split(","))
-        return HybridBackend(ATTN_BACKENDS.get(prefill)(config, kv_pool, page_table),
-                             ATTN_BACKENDS.get(decode)(config, kv_pool, page_table))
-    return ATTN_BACKENDS.get(resolve_attn_name(name, config.device, config.dtype))(config, kv_pool, page_table)
+        return HybridBackend(
+            ATTN_BACKENDS.get(prefill)(config, kv_pool, page_table),
+            ATTN_BACKENDS.get(decode)(config, kv_pool, page_table),
+        )
+    return ATTN_BACKENDS.get(resolve_attn_name(name, config.device, config.dtype))(
+        config, kv_pool, page_table
+    )
 
 
-__all__ = ["AttnConfig", "BaseAttnBackend", "ATTN_BACKENDS", "create_attn_backend", "kv_cache_dtype",
-           "resolve_attn_name"]
+__all__ = [
+    "ATTN_BACKENDS",
+    "AttnConfig",
+    "BaseAttnBackend",
+    "create_attn_backend",
+    "kv_cache_dtype",
+    "resolve_attn_name",
+]

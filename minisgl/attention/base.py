@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,52 +29,60 @@ class AttnConfig:
 class BaseAttnBackend(ABC):
     """Prepare once per batch, then run once per layer."""
 
-    def __init__(self, config: AttnConfig, kv_pool: "KVPool", page_table: torch.Tensor) -> None:
+    def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         self.config = config
         self.kv_pool = kv_pool
         self.page_table = page_table  # [max_running_req, max_seq_len] int32: position -> KV slot
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
     @abstractmethod
-    def prepare_metadata(self, batch: "Batch") -> None:
+    def prepare_metadata(self, batch: Batch) -> None:
         """Fill batch.attn_metadata from batch.table_idx, prefix/extend lengths (host and device)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, layer_id: int,
-                batch: "Batch", stored: bool = False, rope: Optional[Rope] = None, defer_merge: bool = False):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: Batch,
+        stored: bool = False,
+        rope: Rope | None = None,
+        defer_merge: bool = False,
+    ):
         """Store k/v [T, Hkv, D] at batch.out_loc (unless `stored`: an earlier kernel did), then attend
         q [T, Hq, D] -> [T, Hq, D]. With `rope` (only where fuses_rope said so) q and k are not rotated
         yet and the backend rotates them (and stores the rotated k). defer_merge: the caller hands the
         result to kernel.linear, so a split-KV backend may return a kernel.SplitAttention instead."""
 
-    def kv_from_pool(self, batch: "Batch") -> bool:
+    def kv_from_pool(self, batch: Batch) -> bool:
         """Whether attention reads this batch's new K/V from the pool only, so an earlier kernel (rotary)
         may store them and forward runs with stored=True."""
         return False
 
-    def fuses_rope(self, batch: "Batch") -> bool:
+    def fuses_rope(self, batch: Batch) -> bool:
         """Whether forward takes this batch's q/k unrotated, with a Rope, and rotates them itself."""
         return False
 
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
-    def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
+    def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def prepare_for_capture(self, batch: "Batch") -> None:
+    def prepare_for_capture(self, batch: Batch) -> None:
         raise NotImplementedError
 
-    def prepare_for_replay(self, batch: "Batch") -> None:
+    def prepare_for_replay(self, batch: Batch) -> None:
         raise NotImplementedError
-
 
     # CUDA-graph hooks (prefill): batches of up to max_reqs requests padded to a captured token count
     def init_prefill_graph(self, max_tokens: int, max_reqs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
 
-    def prepare_prefill_capture(self, batch: "Batch", num_tokens: int) -> None:
+    def prepare_prefill_capture(self, batch: Batch, num_tokens: int) -> None:
         raise NotImplementedError
 
-    def prepare_prefill_replay(self, batch: "Batch") -> None:
+    def prepare_prefill_replay(self, batch: Batch) -> None:
         raise NotImplementedError
 
 
@@ -85,35 +93,35 @@ class HybridBackend(BaseAttnBackend):
         self.prefill, self.decode = prefill, decode
         self.config = decode.config
 
-    def _pick(self, batch: "Batch") -> BaseAttnBackend:
+    def _pick(self, batch: Batch) -> BaseAttnBackend:
         return self.decode if batch.is_decode else self.prefill
 
-    def prepare_metadata(self, batch: "Batch") -> None:
+    def prepare_metadata(self, batch: Batch) -> None:
         self._pick(batch).prepare_metadata(batch)
 
     def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
         return self._pick(batch).forward(q, k, v, layer_id, batch, stored, rope, defer_merge)
 
-    def fuses_rope(self, batch: "Batch") -> bool:
+    def fuses_rope(self, batch: Batch) -> bool:
         return self._pick(batch).fuses_rope(batch)
 
-    def kv_from_pool(self, batch: "Batch") -> bool:
+    def kv_from_pool(self, batch: Batch) -> bool:
         return self._pick(batch).kv_from_pool(batch)
 
-    def init_capture_graph(self, max_bs: int, capture_bs: List[int]) -> None:
+    def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         self.decode.init_capture_graph(max_bs, capture_bs)
 
-    def prepare_for_capture(self, batch: "Batch") -> None:
+    def prepare_for_capture(self, batch: Batch) -> None:
         self.decode.prepare_for_capture(batch)
 
-    def prepare_for_replay(self, batch: "Batch") -> None:
+    def prepare_for_replay(self, batch: Batch) -> None:
         self.decode.prepare_for_replay(batch)
 
     def init_prefill_graph(self, max_tokens: int, max_reqs: int) -> None:
         self.prefill.init_prefill_graph(max_tokens, max_reqs)
 
-    def prepare_prefill_capture(self, batch: "Batch", num_tokens: int) -> None:
+    def prepare_prefill_capture(self, batch: Batch, num_tokens: int) -> None:
         self.prefill.prepare_prefill_capture(batch, num_tokens)
 
-    def prepare_prefill_replay(self, batch: "Batch") -> None:
+    def prepare_prefill_replay(self, batch: Batch) -> None:
         self.prefill.prepare_prefill_replay(batch)

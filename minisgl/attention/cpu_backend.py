@@ -29,13 +29,17 @@ class CpuDecodeMetadata:
 class CpuAttnBackend(TorchAttnBackend):
     def __init__(self, config, kv_pool, page_table) -> None:
         super().__init__(config, kv_pool, page_table)
-        if config.device.type != "cpu" or kv_pool.k_buffer.dtype != torch.float32 or not cpu_kernels.available():
+        if (
+            config.device.type != "cpu"
+            or kv_pool.k_buffer.dtype != torch.float32
+            or not cpu_kernels.available()
+        ):
             raise ValueError(
                 "the cpu attention backend needs a CPU, a float32 KV pool and a C compiler "
                 "(use --attn torch otherwise)"
             )
 
-    def prepare_metadata(self, batch: "Batch") -> None:
+    def prepare_metadata(self, batch: Batch) -> None:
         if not batch.is_decode:
             return super().prepare_metadata(batch)
         batch.attn_metadata = CpuDecodeMetadata(

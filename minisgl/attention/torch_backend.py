@@ -7,7 +7,7 @@ SDPA for the whole batch; prefill/extend runs one SDPA per request (a query at p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +24,13 @@ if TYPE_CHECKING:
 class TorchAttnMetadata:
     # decode: [B, L] slot of every key position (padded), [B, 1, 1, L] mask of real keys
     kv_indices: torch.Tensor
-    kv_mask: Optional[torch.Tensor]
+    kv_mask: torch.Tensor | None
     # prefill: per request (query start, query length, key length, causal mask or None)
-    segments: Optional[List[tuple]] = None
+    segments: list[tuple] | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    def prepare_metadata(self, batch: "Batch") -> None:
+    def prepare_metadata(self, batch: Batch) -> None:
         seq_lens = batch.seq_lens
         max_len = max(seq_lens)
         rows = self.page_table[batch.table_idx, :max_len]  # [B, L]
@@ -62,8 +62,14 @@ class TorchAttnBackend(BaseAttnBackend):
             shape = (*meta.kv_indices.shape, *k_cache.shape[1:])
             keys = k_cache.index_select(0, idx).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
             values = v_cache.index_select(0, idx).view(shape).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
-                                                 attn_mask=meta.kv_mask, scale=self.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                keys.to(q.dtype),
+                values.to(q.dtype),
+                attn_mask=meta.kv_mask,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
             return out.squeeze(2)
         out = torch.empty_like(q)
         for i, (start, extend, total, mask) in enumerate(meta.segments):
@@ -71,8 +77,9 @@ class TorchAttnBackend(BaseAttnBackend):
             idx = meta.kv_indices[i, :total]
             keys = k_cache.index_select(0, idx).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, S, D]
             values = v_cache.index_select(0, idx).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            qi = q[start:start + extend].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
-            o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scale, enable_gqa=gqa)
-            out[start:start + extend] = o[0].transpose(0, 1)
+            qi = q[start : start + extend].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+            o = F.scaled_dot_product_attention(
+                qi, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
+            )
+            out[start : start + extend] = o[0].transpose(0, 1)
         return out

@@ -28,7 +28,9 @@ def _setup(bs: int, ctx: int, device: torch.device):
     max_seq = max(4096, ctx)
     table = torch.zeros(bs + 1, max_seq, dtype=torch.int32, device=device)
     table[:bs, :ctx] = torch.randperm(bs * ctx, device=device).to(torch.int32).view(bs, ctx)
-    batch = Batch([Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [ctx - 1] * bs, [1] * bs, [True] * bs)
+    batch = Batch(
+        [Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [ctx - 1] * bs, [1] * bs, [True] * bs
+    )
     batch.table_idx = torch.arange(bs, dtype=torch.int32, device=device)
     batch.seq_lens_t = torch.full((bs,), ctx, dtype=torch.int32, device=device)
     batch.out_loc = table[:bs, ctx - 1].clone()
@@ -60,8 +62,10 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) / args.repeat * 1e3
-        print(f"batch {args.batch} x {args.context} keys, {batch.attn_metadata.num_splits} splits, BLOCK_N {block_n}, "
-              f"{warps} warps, stages {stages}: {us:.1f} us a layer ({gb / us * 1e3:.2f} TB/s of K/V)")
+        print(
+            f"batch {args.batch} x {args.context} keys, {batch.attn_metadata.num_splits} splits, BLOCK_N {block_n}, "
+            f"{warps} warps, stages {stages}: {us:.1f} us a layer ({gb / us * 1e3:.2f} TB/s of K/V)"
+        )
 
 
 if __name__ == "__main__":

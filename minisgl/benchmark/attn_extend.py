@@ -20,8 +20,17 @@ from minisgl.kvcache.pool import KVPool
 HEADS, KV_HEADS, HEAD_DIM, MAX_SEQ = 16, 8, 128, 4096
 CASES = [(16, 512, 0), (8, 1024, 0), (4, 512, 1536)]  # (requests, new tokens each, cached tokens each)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) to compare
-CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
-           (128, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 4)]
+CONFIGS = [
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 128, 4, 2),
+    (128, 64, 4, 2),
+    (128, 32, 4, 3),
+    (64, 32, 4, 4),
+]
 
 
 def _setup(reqs: int, new: int, cached: int, device: torch.device):
@@ -31,8 +40,13 @@ def _setup(reqs: int, new: int, cached: int, device: torch.device):
     pool.v_buffer.normal_()
     table = torch.zeros(reqs + 1, MAX_SEQ, dtype=torch.int32, device=device)
     table[:reqs, :n] = torch.arange(reqs * n, dtype=torch.int32, device=device).view(reqs, n)
-    batch = Batch([Req(i, [0], SamplingParams()) for i in range(reqs)], "prefill", [cached] * reqs, [new] * reqs,
-                  [True] * reqs)
+    batch = Batch(
+        [Req(i, [0], SamplingParams()) for i in range(reqs)],
+        "prefill",
+        [cached] * reqs,
+        [new] * reqs,
+        [True] * reqs,
+    )
     batch.table_idx = torch.arange(reqs, dtype=torch.int32, device=device)
     batch.seq_lens_t = torch.full((reqs,), n, dtype=torch.int32, device=device)
     batch.out_loc = table[:reqs, cached:n].reshape(-1).contiguous()
@@ -72,8 +86,11 @@ def main() -> None:
             torch.cuda.synchronize()
             us = start.elapsed_time(end) / args.repeat * 1e3
             totals[(block_m, block_n, warps, stages)] += us if err < 1e-2 else float("inf")
-            print(f"{case[0]} x {case[1]} new on {case[2]} cached; tiles {block_m}x{block_n}, {warps} warps, "
-                  f"{stages} stages: {us:.1f} us a layer, relative error {err:.1e}" + ("" if err < 1e-2 else " WRONG"))
+            print(
+                f"{case[0]} x {case[1]} new on {case[2]} cached; tiles {block_m}x{block_n}, {warps} warps, "
+                f"{stages} stages: {us:.1f} us a layer, relative error {err:.1e}"
+                + ("" if err < 1e-2 else " WRONG")
+            )
     best = min(totals, key=totals.get)
     print(f"fastest over all cases: tiles {best[0]}x{best[1]}, {best[2]} warps, {best[3]} stages")
 

@@ -16,7 +16,6 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -124,8 +123,15 @@ def _make_llm(args: argparse.Namespace, **extra) -> LLM:
     """The profiled engine: bf16 random weights of the named shapes (a config in configs/ or a path)."""
     from .offline import resolve_model
 
-    return LLM(resolve_model(args.model), dtype=torch.bfloat16, load_format="dummy", attn=args.attn, show_progress=False,
-               cuda_graph_max_bs=args.cuda_graph_max_bs, **extra)
+    return LLM(
+        resolve_model(args.model),
+        dtype=torch.bfloat16,
+        load_format="dummy",
+        attn=args.attn,
+        show_progress=False,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        **extra,
+    )
 
 
 def timeline(args: argparse.Namespace) -> None:

@@ -4,4 +4,4 @@ from .config import EngineConfig
 from .engine import Engine, ForwardOutput
 from .sampler import Sampler, SamplingInfo
 
-__all__ = ["EngineConfig", "Engine", "ForwardOutput", "Sampler", "SamplingInfo"]
+__all__ = ["Engine", "EngineConfig", "ForwardOutput", "Sampler", "SamplingInfo"]

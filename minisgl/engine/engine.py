@@ -6,7 +6,7 @@ It computes; it never decides. The scheduler hands it a prepared Batch and gets 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,7 +31,7 @@ class ForwardOutput:
     next_tokens: torch.Tensor  # [num_sampled] int32 on the device
     next_tokens_host: torch.Tensor  # the same, copied asynchronously to (pinned) host memory
     copy_done: Any  # event: the host copy is complete once it is synchronised
-    logprobs_host: Optional[tuple] = None  # (chosen [S], top values [S, k] | None, top ids [S, k] | None)
+    logprobs_host: tuple | None = None  # (chosen [S], top values [S, k] | None, top ids [S, k] | None)
 
     def wait(self) -> None:
         self.copy_done.synchronize()
@@ -78,13 +78,25 @@ class Engine:
         self.model.eval()
 
         cfg = self.model_config
-        attn_cfg = AttnConfig(num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
-                              head_dim=cfg.head_dim, max_seq_len=self.max_seq_len, device=self.device,
-                              dtype=self.dtype)
+        attn_cfg = AttnConfig(
+            num_heads=cfg.num_heads // tp.size,
+            num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
+            head_dim=cfg.head_dim,
+            max_seq_len=self.max_seq_len,
+            device=self.device,
+            dtype=self.dtype,
+        )
         self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype)
         self.num_pages = self._plan_pages(attn_cfg)
-        self.kv_pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, attn_cfg.num_kv_heads,
-                              cfg.head_dim, self.kv_dtype, self.device)  # +1: dummy page for graph padding
+        self.kv_pool = KVPool(
+            cfg.num_layers,
+            self.num_pages + 1,
+            config.page_size,
+            attn_cfg.num_kv_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+        )  # +1: dummy page for graph padding
         rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
         self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
@@ -95,15 +107,21 @@ class Engine:
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
         self.graph_runner = self.prefill_graphs = None
         self._init_graphs()
-        logger.info(f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
-                    f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
-                    f"attention {type(self.attn_backend).__name__}")
+        logger.info(
+            f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
+            f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
+            f"attention {type(self.attn_backend).__name__}"
+        )
 
     # ---- construction ----------------------------------------------------------------------------
     def _max_seq_len(self, hf_config) -> int:
         limit = self.model_config.max_position_embeddings
         window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True) and "Mistral" in self.model_config.architecture:
+        if (
+            window
+            and getattr(hf_config, "use_sliding_window", True)
+            and "Mistral" in self.model_config.architecture
+        ):
             limit = min(limit, window)  # no sliding-window attention: stay within the window
         if self.config.max_seq_len:
             limit = min(limit, self.config.max_seq_len)
@@ -120,19 +138,25 @@ class Engine:
 
     def _plan_pages(self, attn_cfg: AttnConfig) -> int:
         cfg, page = self.model_config, self.config.page_size
-        per_page = KVPool.bytes_per_page(cfg.num_layers, page, attn_cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        per_page = KVPool.bytes_per_page(
+            cfg.num_layers, page, attn_cfg.num_kv_heads, cfg.head_dim, self.kv_dtype
+        )
         if self.config.num_pages:
             num = self.config.num_pages
         elif is_cuda(self.device):
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - self.config.mem_fraction) + (1 << 30)  # graphs, activations, sampling
             num = int(max(0, free - reserve) // per_page)
-            logger.info(f"Memory: {free / 2**30:.1f} GiB free after weights of {total / 2**30:.1f} GiB; "
-                        f"KV pool {num * per_page / 2**30:.1f} GiB")
+            logger.info(
+                f"Memory: {free / 2**30:.1f} GiB free after weights of {total / 2**30:.1f} GiB; "
+                f"KV pool {num * per_page / 2**30:.1f} GiB"
+            )
         else:
             num = self.config.cpu_kv_cache_bytes // per_page
         if num * page < self.max_seq_len // 8 or num < 2:
-            raise ValueError(f"the KV pool holds only {num} pages of {page} tokens; give more memory or pages")
+            raise ValueError(
+                f"the KV pool holds only {num} pages of {page} tokens; give more memory or pages"
+            )
         return num
 
     def _init_graphs(self) -> None:
@@ -181,8 +205,10 @@ class Engine:
         logprobs = None
         top = info.top_logprobs
         if top >= 0:
-            logprobs = tuple(None if t is None else t.to("cpu", non_blocking=True)
-                             for t in self.sampler.logprobs(logits, next_tokens, top))
+            logprobs = tuple(
+                None if t is None else t.to("cpu", non_blocking=True)
+                for t in self.sampler.logprobs(logits, next_tokens, top)
+            )
         return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -151,7 +151,9 @@ class GraphRunner:
             hooks = True
         except NotImplementedError:
             if cuda:
-                logger.warning(f"{type(engine.attn_backend).__name__} cannot be captured: CUDA graphs disabled")
+                logger.warning(
+                    f"{type(engine.attn_backend).__name__} cannot be captured: CUDA graphs disabled"
+                )
                 return None
             hooks = False  # CPU emulation can recompute the metadata from the buffers at replay
         runner = cls(engine, sizes, hooks)
@@ -268,7 +270,9 @@ class PrefillGraphRunner:
         dummy_row, dummy_slot = engine.config.max_running_req, engine.num_pages * engine.config.page_size
         engine.page_table[dummy_row].fill_(dummy_slot)
         # per token: input id, position, KV slot; per request: page-table row, the row to sample from
-        self._tok_pad = torch.tensor([0, 0, dummy_slot], dtype=torch.int32)[:, None].expand(3, self.max_tokens)
+        self._tok_pad = torch.tensor([0, 0, dummy_slot], dtype=torch.int32)[:, None].expand(
+            3, self.max_tokens
+        )
         self._tok_pad = self._tok_pad.contiguous().to(device)
         self._tok = self._tok_pad.clone()
         self._req_pad = torch.tensor([dummy_row, 0], dtype=torch.int32)[:, None].expand(2, max_reqs)
@@ -296,7 +300,9 @@ class PrefillGraphRunner:
         try:
             engine.attn_backend.init_prefill_graph(sizes[-1], max_reqs)
         except NotImplementedError:
-            logger.info(f"{type(engine.attn_backend).__name__} has no prefill-graph hooks: prefill runs eagerly")
+            logger.info(
+                f"{type(engine.attn_backend).__name__} has no prefill-graph hooks: prefill runs eagerly"
+            )
             return None
         runner = cls(engine, sizes, max_reqs)
         runner.capture_all()
@@ -321,8 +327,10 @@ class PrefillGraphRunner:
         """Capture every size, largest first, into one memory pool."""
         kind = "emulated prefill graphs" if self.emulate else "prefill CUDA graphs"
         done = capture_each(self.engine, self.sizes, kind, self._capture_one)
-        logger.info(f"Captured {len(self.sizes)} {kind} ({self.sizes[0]}..{self.max_tokens} tokens, up to "
-                    f"{self.max_reqs} requests) {done}")
+        logger.info(
+            f"Captured {len(self.sizes)} {kind} ({self.sizes[0]}..{self.max_tokens} tokens, up to "
+            f"{self.max_reqs} requests) {done}"
+        )
 
     def _capture_one(self, num_tokens: int) -> None:
         batch = self._buffer_batch(num_tokens)
@@ -331,7 +339,8 @@ class PrefillGraphRunner:
             self.graphs[num_tokens], self.outputs[num_tokens] = capture_emulated(lambda: self._forward(batch))
         else:
             self.graphs[num_tokens], self.outputs[num_tokens] = capture_cuda(
-                lambda: self._forward(batch), self._pool, self._stream, self.engine.device)
+                lambda: self._forward(batch), self._pool, self._stream, self.engine.device
+            )
 
     def can_run(self, batch: Batch) -> bool:
         return batch.is_prefill and batch.num_tokens <= self.max_tokens and batch.size <= self.max_reqs

@@ -7,7 +7,6 @@ same tokens whatever else shares the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -17,15 +16,17 @@ from minisgl.core import Req
 @dataclass
 class SamplingInfo:
     all_greedy: bool
-    greedy_mask: Optional[torch.Tensor] = None  # [S] bool
-    temperatures: Optional[torch.Tensor] = None  # [S, 1]
-    top_k: Optional[torch.Tensor] = None  # [S] (vocab size where unlimited), None when nobody limits
-    top_p: Optional[torch.Tensor] = None  # [S], None when nobody limits
-    seeded: Optional[List[Tuple[int, int, int]]] = None  # (row, seed, position)
+    greedy_mask: torch.Tensor | None = None  # [S] bool
+    temperatures: torch.Tensor | None = None  # [S, 1]
+    top_k: torch.Tensor | None = None  # [S] (vocab size where unlimited), None when nobody limits
+    top_p: torch.Tensor | None = None  # [S], None when nobody limits
+    seeded: list[tuple[int, int, int]] | None = None  # (row, seed, position)
     top_logprobs: int = -1  # -1: no logprobs; 0: only the chosen token's; k: also the top k
 
     @classmethod
-    def build(cls, reqs: List[Req], positions: List[int], vocab_size: int, device: torch.device) -> "SamplingInfo":
+    def build(
+        cls, reqs: list[Req], positions: list[int], vocab_size: int, device: torch.device
+    ) -> SamplingInfo:
         params = [r.sampling_params for r in reqs]
         want = [p.top_logprobs if p.logprobs else -1 for p in params]
         top_logprobs = max(want) if want else -1
@@ -43,14 +44,21 @@ class SamplingInfo:
             ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
             info.top_k = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
         if any(p.top_p < 1.0 for p in params):
-            info.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True)
-        seeded = [(i, p.seed, pos) for i, (p, pos) in enumerate(zip(params, positions))
-                  if p.seed is not None and not p.is_greedy]
+            info.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(
+                device, non_blocking=True
+            )
+        seeded = [
+            (i, p.seed, pos)
+            for i, (p, pos) in enumerate(zip(params, positions))
+            if p.seed is not None and not p.is_greedy
+        ]
         info.seeded = seeded or None
         return info
 
 
-def _filter_probs(probs: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+def _filter_probs(
+    probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Zero out the tokens outside each row's top-k and top-p (the most likely token always stays)."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     if top_k is not None:  # top-k first, then top-p over what is left (renormalised), as vLLM does
@@ -85,8 +93,9 @@ class Sampler:
         return torch.where(info.greedy_mask, greedy, sampled).to(torch.int32)
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, ids: torch.Tensor, top: int
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def logprobs(
+        logits: torch.Tensor, ids: torch.Tensor, top: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Log-probabilities under the model's raw distribution: of the chosen ids, and the top `top`."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(-1, ids.long()[:, None]).squeeze(-1)

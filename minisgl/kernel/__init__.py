@@ -6,7 +6,8 @@ reference path. `use_triton(False)` forces the reference (the tests compare the 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,8 @@ class Rope(NamedTuple):
 
     positions: torch.Tensor  # [T] position of each new token
     cos_sin_cache: torch.Tensor
-    q_weight: Optional[torch.Tensor]
-    k_weight: Optional[torch.Tensor]
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
     eps: float
 
 
@@ -64,7 +65,7 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b). On a CPU in float32 the weight is packed once (kept on the tensor, redone if it
     is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both are
     measured faster than MKL's GEMM at decode's row counts (the 49,152-wide LM head most of all). On a
@@ -77,8 +78,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         x = x.merge()
     if x.is_cuda:
         return _gpu_linear(x, weight, bias)
-    if (x.device.type == "cpu" and x.dtype in _HALF and weight.dtype == x.dtype and _CPU_PACKED_LINEAR
-            and cpu.linear_available()):
+    if (
+        x.device.type == "cpu"
+        and x.dtype in _HALF
+        and weight.dtype == x.dtype
+        and _CPU_PACKED_LINEAR
+        and cpu.linear_available()
+    ):
         # Most CPUs have no bf16/fp16 arithmetic (torch's half matmuls run ~16x slower than float32). A
         # half-precision GEMM multiplies exactly upcast inputs and accumulates in float32, so the float32
         # kernel on upcast inputs, rounded once at the end, computes the same thing at float32 speed.
@@ -95,7 +101,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
-def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def _cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of `weight`: for the C kernel where it is built, else oneDNN's; None (and F.linear
     from then on) where neither is available."""
     global _CPU_PACKED_LINEAR
@@ -114,7 +120,7 @@ def _cpu_packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return packed
 
 
-def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """On a GPU: the Triton GEMV at decode batch sizes (it reads W at near copy bandwidth, where cuBLAS
     reached ~1 TB/s at one row); cuBLAS everywhere else."""
     ops = _triton_ops()
@@ -123,7 +129,9 @@ def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return F.linear(x, weight, bias)
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """linear(silu_and_mul(x), W, b): the gated MLP's down projection, one kernel at GPU decode sizes."""
     ops = _triton_ops() if _on_gpu(x) else None
     if ops is not None and ops.gemv_fits(x, weight):
@@ -131,13 +139,23 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return linear(silu_and_mul(x), weight, bias)
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm projection: h = x + residual (x when residual is None); returns (linear(rms_norm(h)), h).
     One kernel at GPU decode sizes; elsewhere the (fused) norm, then linear."""
     ops = _triton_ops() if _on_gpu(x) else None
-    if (ops is not None and ops.gemv_fits(x, weight) and x.is_contiguous()
-            and (residual is None or residual.is_contiguous())):
+    if (
+        ops is not None
+        and ops.gemv_fits(x, weight)
+        and x.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+    ):
         return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
     if residual is None:
         normed, h = rms_norm(x, norm_weight, eps), x
@@ -155,8 +173,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ref.rms_norm(x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 2 and cpu.elementwise_ok(x, residual, weight):
         return cpu.rms_norm(x, weight, eps, residual)
     ops = _triton_ops() if _on_gpu(x) else None
@@ -174,8 +193,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ref.silu_and_mul(x)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 kv_store: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_store: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary on q and k. kv_store = (k_cache, v_cache, out_loc, v): also store the rotated k and v into
     the KV pool rows out_loc (one kernel on a GPU) and return (q, None)."""
     if cpu.elementwise_ok(q, k, cos_sin_cache) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
@@ -186,9 +210,16 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     return _then_store(*ref.apply_rotary(q, k, positions, cos_sin_cache), kv_store)
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                   kv_store: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_store: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over each head of q and k, then rotary (Qwen3): one kernel on a GPU; kv_store as in
     apply_rotary."""
     ops = _triton_ops() if _on_gpu(q) else None
@@ -197,7 +228,9 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
     return _then_store(*ref.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache), kv_store)
 
 
-def _then_store(q: torch.Tensor, k: torch.Tensor, kv_store: Optional[tuple]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _then_store(
+    q: torch.Tensor, k: torch.Tensor, kv_store: tuple | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if kv_store is None:
         return q, k
     k_cache, v_cache, out_loc, v = kv_store
@@ -205,8 +238,9 @@ def _then_store(q: torch.Tensor, k: torch.Tensor, kv_store: Optional[tuple]) -> 
     return q, None
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     if cpu.elementwise_ok(k_cache, v_cache, k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
         return cpu.store_kv(k_cache, v_cache, out_loc, k, v)
     ops = _triton_ops() if _on_gpu(k) else None

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ _FLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
-_lib: Optional[ctypes.CDLL] = None
+_lib: ctypes.CDLL | None = None
 _tried = False
 
 
@@ -48,7 +47,7 @@ def _cpu_signature() -> str:
         return ""
 
 
-def _build() -> Optional[str]:
+def _build() -> str | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("No C compiler found: CPU kernels fall back to torch ops (slower decode attention)")
@@ -64,7 +63,9 @@ def _build() -> Optional[str]:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     logger.info("Compiling CPU kernels (%s) into %s", os.path.basename(compiler), path)
-    result = subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True)
+    result = subprocess.run(
+        [compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         os.unlink(tmp)
         logger.warning("Compiling CPU kernels failed; falling back to torch ops:\n%s", result.stderr[-2000:])
@@ -73,7 +74,7 @@ def _build() -> Optional[str]:
     return path
 
 
-def _load() -> Optional[ctypes.CDLL]:
+def _load() -> ctypes.CDLL | None:
     global _lib, _tried
     if _tried:
         return _lib

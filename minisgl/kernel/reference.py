@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 import torch.nn.functional as F
 
@@ -16,8 +14,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x; return (rms_norm(residual), residual)."""
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
@@ -29,8 +28,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary on q [T, Hq, D] and k [T, Hk, D]; cos_sin_cache is [max_pos, D] (cos | sin halves)
     in float32. Rotates the first `rot_dim` = cache width of each head."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rot/2]
@@ -48,26 +48,42 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotate(q), rotate(k)
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Write the new tokens' K/V [T, Hkv, D] into the pool rows `out_loc` [T]."""
     k_cache[out_loc] = k.to(k_cache.dtype)
     v_cache[out_loc] = v.to(v_cache.dtype)
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                   positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's attention input: RMSNorm over each head of q and k, then rotary."""
     return apply_rotary(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The gated MLP's down projection: silu_and_mul(x) W^T (+ b)."""
     return F.linear(silu_and_mul(x), weight, bias)
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm projection: h = x + residual (x when residual is None); returns (rms_norm(h) W^T + b, h)."""
     h = x if residual is None else residual + x
     return F.linear(rms_norm(h, norm_weight, eps), weight, bias), h

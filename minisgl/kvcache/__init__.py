@@ -11,4 +11,11 @@ PREFIX_CACHES: Registry[type] = Registry("prefix cache")
 PREFIX_CACHES.register("naive")(NaivePrefixCache)
 PREFIX_CACHES.register("radix")(RadixPrefixCache)
 
-__all__ = ["KVPool", "BasePrefixCache", "MatchResult", "NaivePrefixCache", "RadixPrefixCache", "PREFIX_CACHES"]
+__all__ = [
+    "PREFIX_CACHES",
+    "BasePrefixCache",
+    "KVPool",
+    "MatchResult",
+    "NaivePrefixCache",
+    "RadixPrefixCache",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch
 
@@ -21,11 +21,11 @@ class BasePrefixCache(ABC):
         self.page_size = page_size
 
     @abstractmethod
-    def match_prefix(self, token_ids: List[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
         """The longest cached page-aligned prefix of `token_ids`."""
 
     @abstractmethod
-    def insert(self, token_ids: List[int], slots: torch.Tensor) -> Tuple[Any, torch.Tensor]:
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Insert a page-aligned prefix; returns (handle of its last node, the slots the cache now holds
         for it). Where a prefix was already cached, the cache keeps its own slots: the caller's
         differing slots stay the caller's to free."""
@@ -37,7 +37,7 @@ class BasePrefixCache(ABC):
     def unlock(self, handle: Any) -> None: ...
 
     @abstractmethod
-    def evict(self, num_pages: int) -> List[int]:
+    def evict(self, num_pages: int) -> list[int]:
         """Drop least-recently-used unlocked entries; return the freed page ids (>= num_pages if possible)."""
 
     @property
@@ -48,7 +48,7 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def cached_pages(self) -> int: ...
 
-    def all_pages(self) -> List[int]:
+    def all_pages(self) -> list[int]:
         """Every page the cache holds (for the integrity check)."""
         return []
 

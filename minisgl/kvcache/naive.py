@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch
 
@@ -12,10 +12,10 @@ _EMPTY = torch.empty(0, dtype=torch.int32)
 
 
 class NaivePrefixCache(BasePrefixCache):
-    def match_prefix(self, token_ids: List[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
         return MatchResult(None, 0, _EMPTY)
 
-    def insert(self, token_ids: List[int], slots: torch.Tensor) -> Tuple[Any, torch.Tensor]:
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
         return None, _EMPTY
 
     def lock(self, handle: Any) -> None:
@@ -24,7 +24,7 @@ class NaivePrefixCache(BasePrefixCache):
     def unlock(self, handle: Any) -> None:
         pass
 
-    def evict(self, num_pages: int) -> List[int]:
+    def evict(self, num_pages: int) -> list[int]:
         return []
 
     @property

@@ -9,8 +9,16 @@ import torch
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_slots = num_pages * page_size
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
@@ -24,6 +32,9 @@ class KVPool:
         return self.v_buffer[layer_id]
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )

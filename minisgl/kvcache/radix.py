@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,12 +17,12 @@ _clock = itertools.count()
 
 
 class RadixNode:
-    __slots__ = ("key", "value", "children", "parent", "ref", "last_access")
+    __slots__ = ("children", "key", "last_access", "parent", "ref", "value")
 
-    def __init__(self, key: List[int], value: torch.Tensor, parent: Optional["RadixNode"]) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor, parent: RadixNode | None) -> None:
         self.key = key  # tokens on the edge from the parent
         self.value = value  # [len(key)] int32 KV slots
-        self.children: Dict[tuple, RadixNode] = {}
+        self.children: dict[tuple, RadixNode] = {}
         self.parent = parent
         self.ref = 0
         self.last_access = next(_clock)
@@ -32,7 +31,7 @@ class RadixNode:
         return not self.children
 
 
-def _common_len(a: List[int], b: List[int]) -> int:
+def _common_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -49,17 +48,17 @@ class RadixPrefixCache(BasePrefixCache):
         self._evictable_tokens = 0
 
     # ---- lookup and insert -----------------------------------------------------------------------
-    def _walk(self, tokens: List[int], split: bool) -> Tuple[RadixNode, int, List[torch.Tensor]]:
+    def _walk(self, tokens: list[int], split: bool) -> tuple[RadixNode, int, list[torch.Tensor]]:
         """Follow `tokens` down the tree page by page; returns (deepest node, matched length, slot parts).
         A partial match inside an edge splits the edge there (page-aligned) when `split`."""
         ps, node, pos, parts = self.page_size, self.root, 0, []
         now = next(_clock)
         node.last_access = now
         while pos + ps <= len(tokens):
-            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            common = _common_len(child.key, tokens[pos:pos + len(child.key)]) // ps * ps
+            common = _common_len(child.key, tokens[pos : pos + len(child.key)]) // ps * ps
             if common < len(child.key):
                 if not split:
                     parts.append(child.value[:common])
@@ -82,12 +81,12 @@ class RadixPrefixCache(BasePrefixCache):
         mid.children[tuple(node.key[: self.page_size])] = node
         return mid
 
-    def match_prefix(self, token_ids: List[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
         node, length, parts = self._walk(token_ids, split=True)
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
         return MatchResult(node, length, slots)
 
-    def insert(self, token_ids: List[int], slots: torch.Tensor) -> Tuple[RadixNode, torch.Tensor]:
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> tuple[RadixNode, torch.Tensor]:
         assert len(token_ids) % self.page_size == 0 and len(slots) == len(token_ids)
         node, pos, parts = self._walk(token_ids, split=True)
         if pos < len(token_ids):
@@ -101,7 +100,7 @@ class RadixPrefixCache(BasePrefixCache):
         return node, held
 
     # ---- locks -----------------------------------------------------------------------------------
-    def lock(self, handle: Optional[RadixNode]) -> None:
+    def lock(self, handle: RadixNode | None) -> None:
         node = handle
         while node is not None and node is not self.root:
             if node.ref == 0:
@@ -109,7 +108,7 @@ class RadixPrefixCache(BasePrefixCache):
             node.ref += 1
             node = node.parent
 
-    def unlock(self, handle: Optional[RadixNode]) -> None:
+    def unlock(self, handle: RadixNode | None) -> None:
         node = handle
         while node is not None and node is not self.root:
             assert node.ref > 0, "unlock without lock"
@@ -119,7 +118,7 @@ class RadixPrefixCache(BasePrefixCache):
             node = node.parent
 
     # ---- eviction --------------------------------------------------------------------------------
-    def _nodes(self) -> List[RadixNode]:
+    def _nodes(self) -> list[RadixNode]:
         out, stack = [], [self.root]
         while stack:
             node = stack.pop()
@@ -127,11 +126,15 @@ class RadixPrefixCache(BasePrefixCache):
             stack.extend(node.children.values())
         return out
 
-    def evict(self, num_pages: int) -> List[int]:
+    def evict(self, num_pages: int) -> list[int]:
         ps = self.page_size
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if n.is_leaf() and n.ref == 0 and n is not self.root]
+        heap = [
+            (n.last_access, id(n), n)
+            for n in self._nodes()
+            if n.is_leaf() and n.ref == 0 and n is not self.root
+        ]
         heapq.heapify(heap)
-        freed: List[int] = []
+        freed: list[int] = []
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
             freed.extend((node.value[::ps] // ps).tolist())
@@ -151,7 +154,7 @@ class RadixPrefixCache(BasePrefixCache):
     def cached_pages(self) -> int:
         return self._cached_tokens // self.page_size
 
-    def all_pages(self) -> List[int]:
+    def all_pages(self) -> list[int]:
         ps = self.page_size
         return [p for n in self._nodes() for p in (n.value[::ps] // ps).tolist()]
 

@@ -7,5 +7,14 @@ from .linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
-__all__ = ["SiluAndMul", "AttentionLayer", "ParallelLMHead", "VocabParallelEmbedding",
-           "ColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear", "RMSNorm", "RotaryEmbedding"]
+__all__ = [
+    "AttentionLayer",
+    "ColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl import kernel
-
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 
 
@@ -24,9 +21,11 @@ class VocabParallelEmbedding(nn.Module):
         self.end = min(vocab_size, self.start + self.shard)
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size), requires_grad=False)
 
-    def load_shard(self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: Optional[int] = None) -> None:
+    def load_shard(
+        self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: int | None = None
+    ) -> None:
         rows = self.end - self.start
-        self.weight.data[:rows].copy_(loaded[self.start:self.end])
+        self.weight.data[:rows].copy_(loaded[self.start : self.end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -4,13 +4,10 @@ layer runs two large GEMMs instead of five."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 from torch import nn
 
 from minisgl import kernel
-
 from minisgl.distributed import all_reduce, get_tp_info
 
 
@@ -26,8 +23,13 @@ class ColumnParallelLinear(nn.Module):
     `output_sizes` lists the logical sub-matrices (one for a plain linear, q/k/v or gate/up for merged
     ones); each is sharded separately so rank r holds shard r of every part."""
 
-    def __init__(self, input_size: int, output_sizes: List[int], bias: bool = False,
-                 shard_sizes: Optional[List[int]] = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        shard_sizes: list[int] | None = None,
+    ) -> None:
         super().__init__()
         tp = get_tp_info()
         self.tp_rank, self.tp_size = tp.rank, tp.size
@@ -38,7 +40,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
-    def load_shard(self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: Optional[int] = None) -> None:
+    def load_shard(
+        self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: int | None = None
+    ) -> None:
         """Copy HF weight `loaded` (the whole logical part) into this rank's slice of part `part`."""
         param = self.weight if name == "weight" else self.bias
         size = self.shard_sizes[part]
@@ -49,8 +53,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel.linear(x, self.weight, self.bias)
 
-    def forward_prenorm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward_prenorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The projection of a pre-norm block: h = x + residual (x when None), returns (self(norm(h)), h);
         the add and the RMSNorm run inside the projection's kernel at decode batch size 1."""
         return kernel.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
@@ -59,8 +64,9 @@ class ColumnParallelLinear(nn.Module):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix. KV heads are replicated when there are fewer than ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp = get_tp_info()
         self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
@@ -72,7 +78,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, [], bias=bias, shard_sizes=[q, kv, kv])
 
-    def load_shard(self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: Optional[int] = None) -> None:
+    def load_shard(
+        self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: int | None = None
+    ) -> None:
         rank = self.tp_rank if part == 0 else self.tp_rank // self.kv_replicas
         super().load_shard(name, loaded, part, rank)
 
@@ -88,7 +96,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_shard), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
-    def load_shard(self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: Optional[int] = None) -> None:
+    def load_shard(
+        self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: int | None = None
+    ) -> None:
         if name == "bias":  # added once, on the sum
             self.bias.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return

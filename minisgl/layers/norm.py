@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 from torch import nn
 
@@ -16,11 +14,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def load_shard(self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: Optional[int] = None) -> None:
+    def load_shard(
+        self, name: str, loaded: torch.Tensor, part: int = 0, shard_rank: int | None = None
+    ) -> None:
         self.weight.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
             return kernel.rms_norm(x, self.weight, self.eps)

@@ -4,7 +4,7 @@ the supported models need."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from minisgl import kernel
 from minisgl.kernel import Rope
 
 
-def _inv_freq(rot_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> torch.Tensor:
+def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
@@ -37,8 +37,14 @@ def _inv_freq(rot_dim: int, theta: float, scaling: Optional[Dict[str, Any]]) -> 
 class RotaryEmbedding(nn.Module):
     """Applies rotary to q and k at the batch's positions from a precomputed float32 cos|sin table."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: Optional[Dict[str, Any]] = None, partial_factor: float = 1.0) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        partial_factor: float = 1.0,
+    ) -> None:
         super().__init__()
         rot_dim = int(head_dim * partial_factor)
         inv_freq = _inv_freq(rot_dim, theta, scaling)
@@ -46,20 +52,28 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: Optional[nn.Module] = None,
-                k_norm: Optional[nn.Module] = None,
-                kv_store: Optional[tuple] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        kv_store: tuple | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary on q [T, Hq, D] and k [T, Hk, D]; with q_norm/k_norm (RMSNorms over head_dim), normalise
         each head first, in the same kernel. kv_store = (k_cache, v_cache, out_loc, v): write the rotated
         k and v into the KV pool instead of returning k (see kernel.apply_rotary)."""
         if q_norm is None:
             return kernel.apply_rotary(q, k, positions, self.cos_sin_cache, kv_store)
         assert k_norm is not None and q_norm.eps == k_norm.eps
-        return kernel.qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache,
-                                     kv_store)
+        return kernel.qk_norm_rotary(
+            q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache, kv_store
+        )
 
-    def spec(self, positions: torch.Tensor, q_norm: Optional[nn.Module] = None,
-             k_norm: Optional[nn.Module] = None) -> Rope:
+    def spec(
+        self, positions: torch.Tensor, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+    ) -> Rope:
         """What forward would apply, for an attention backend that rotates q/k inside its kernel."""
         if q_norm is None:
             return Rope(positions, self.cos_sin_cache, None, None, 0.0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,35 +17,65 @@ from minisgl.utils.hf import load_tokenizer
 
 logger = init_logger(__name__)
 
-Prompt = Union[str, List[int]]
+Prompt = str | list[int]
 
 
 class LLM:
     """Load a model once, then generate for batches of prompts (continuous batching inside)."""
 
-    def __init__(self, model_path: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                 max_running_req: int = 256, num_page_override: Optional[int] = None,
-                 max_seq_len_override: Optional[int] = None, page_size: int = 1, load_format: str = "auto",
-                 attn: str = "auto", cache_type: str = "radix", max_prefill_length: int = 8192,
-                 cuda_graph_max_bs: Optional[int] = None, overlap: Optional[bool] = None,
-                 reserve_ratio: float = 1.0, device: Optional[str] = None, show_progress: bool = True,
-                 **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        dtype: torch.dtype | None = None,
+        max_running_req: int = 256,
+        num_page_override: int | None = None,
+        max_seq_len_override: int | None = None,
+        page_size: int = 1,
+        load_format: str = "auto",
+        attn: str = "auto",
+        cache_type: str = "radix",
+        max_prefill_length: int = 8192,
+        cuda_graph_max_bs: int | None = None,
+        overlap: bool | None = None,
+        reserve_ratio: float = 1.0,
+        device: str | None = None,
+        show_progress: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if max_prefill_length < 1:
             raise ValueError(f"max_prefill_length must be >= 1, got {max_prefill_length}")
-        engine = EngineConfig(model_path=model_path, dtype=dtype, device=device, max_running_req=max_running_req,
-                              page_size=page_size, num_pages=num_page_override, max_seq_len=max_seq_len_override,
-                              attn=attn, load_format=load_format, cuda_graph_max_bs=cuda_graph_max_bs,
-                              show_progress=show_progress, **engine_kwargs)
-        self.scheduler = Scheduler(SchedulerConfig(engine=engine, cache_type=cache_type,
-                                                   max_prefill_length=max_prefill_length, overlap=overlap,
-                                                   reserve_ratio=reserve_ratio))
+        engine = EngineConfig(
+            model_path=model_path,
+            dtype=dtype,
+            device=device,
+            max_running_req=max_running_req,
+            page_size=page_size,
+            num_pages=num_page_override,
+            max_seq_len=max_seq_len_override,
+            attn=attn,
+            load_format=load_format,
+            cuda_graph_max_bs=cuda_graph_max_bs,
+            show_progress=show_progress,
+            **engine_kwargs,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                engine=engine,
+                cache_type=cache_type,
+                max_prefill_length=max_prefill_length,
+                overlap=overlap,
+                reserve_ratio=reserve_ratio,
+            )
+        )
         model_dir = self.scheduler.engine.model_dir
-        has_tokenizer = any(os.path.exists(os.path.join(model_dir, f))
-                            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        has_tokenizer = any(
+            os.path.exists(os.path.join(model_dir, f))
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
         self.tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
         if self.tokenizer is not None:  # the tokenizer's EOS ends generation too (e.g. <|im_end|>)
             eos = self.tokenizer.eos_token_id
@@ -52,7 +83,7 @@ class LLM:
                 self.scheduler.eos_token_ids.add(int(eos))
         self._uids = itertools.count()
 
-    def _encode(self, prompt: Prompt) -> List[int]:
+    def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -63,18 +94,23 @@ class LLM:
             raise ValueError("each prompt must be a string or a list of token ids")
         return list(prompt)
 
-    def generate(self, prompts: Sequence[Prompt],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> List[Dict[str, Any]]:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[dict[str, Any]]:
         """Generate for every prompt; returns one dict per prompt, in order: `text`, `token_ids` (the
         generated ids), `finish_reason`, `prompt_tokens`; with `logprobs=True` also `logprobs` (per token) and,
         with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of strings or of token-id lists")
+            raise ValueError("prompts must be a list of strings or of token-id lists")  # noqa: TRY004 (the API's error type)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self._encode(p) for p in prompts]
@@ -82,8 +118,9 @@ class LLM:
             self.scheduler.validate(ids, p)
         uids = [next(self._uids) for _ in prompts]
         index = {uid: i for i, uid in enumerate(uids)}
-        outputs: List[Dict[str, Any]] = [
-            {"token_ids": [], "finish_reason": None, "prompt_tokens": len(ids)} for ids in encoded]
+        outputs: list[dict[str, Any]] = [
+            {"token_ids": [], "finish_reason": None, "prompt_tokens": len(ids)} for ids in encoded
+        ]
         for uid, ids, p in zip(uids, encoded, params):
             self.scheduler.add_request(uid, ids, p)
         remaining = len(uids)
@@ -106,12 +143,12 @@ class LLM:
             out["text"] = self.decode(out["token_ids"])
         return outputs
 
-    def decode(self, token_ids: List[int]) -> str:
+    def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """Prefix-cache and scheduling counters since the LLM was created."""
         return self.scheduler.stats()
 

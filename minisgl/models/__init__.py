@@ -17,9 +17,10 @@ MODELS.register("Qwen3ForCausalLM")(Qwen3ForCausalLM)
 
 def create_model(cfg: ModelConfig) -> nn.Module:
     if cfg.architecture not in MODELS:
-        raise ValueError(f"unsupported model architecture {cfg.architecture!r}; "
-                         f"supported: {', '.join(MODELS.names())}")
+        raise ValueError(
+            f"unsupported model architecture {cfg.architecture!r}; supported: {', '.join(MODELS.names())}"
+        )
     return MODELS.get(cfg.architecture)(cfg)
 
 
-__all__ = ["ModelConfig", "MODELS", "create_model"]
+__all__ = ["MODELS", "ModelConfig", "create_model"]

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
-
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @dataclass
@@ -22,7 +26,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[Dict[str, Any]]
+    rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
@@ -35,7 +39,7 @@ class ModelConfig:
     hf_config: Any = None
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
+    def from_hf(cls, hf: Any) -> ModelConfig:
         archs = getattr(hf, "architectures", None)
         model_type = getattr(hf, "model_type", "?")
         arch = archs[0] if archs else _BY_MODEL_TYPE.get(model_type, f"<none; model_type {model_type!r}>")

@@ -8,8 +8,15 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
-from minisgl.layers import (AttentionLayer, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                            RowParallelLinear, VocabParallelEmbedding)
+from minisgl.layers import (
+    AttentionLayer,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from minisgl.layers.linear import ColumnParallelLinear
 
 from .config import ModelConfig
@@ -21,8 +28,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         # Llama's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only
         o_bias = cfg.attention_bias and not cfg.architecture.startswith("Qwen")
@@ -30,8 +38,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
@@ -43,7 +52,9 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         positions = get_global_ctx().batch.positions
-        if self.attn.fuses_rope():  # decode on a GPU: q/k norm, rotary and the KV store in the attention kernel
+        if (
+            self.attn.fuses_rope()
+        ):  # decode on a GPU: q/k norm, rotary and the KV store in the attention kernel
             norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
             # the output projection merges the attention's splits itself where it can (batch size 1)
             out = self.attn(q, k, v, rope=self.rotary.spec(positions, *norms), defer_merge=True)

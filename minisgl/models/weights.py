@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, Iterator, Tuple
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -20,21 +20,25 @@ _MERGED = {
 }
 
 
-def iter_safetensors(model_dir: str, show_progress: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir!r}")
-    for path in tqdm(files, desc="Loading weights", unit="file", disable=not show_progress or len(files) == 1):
+    for path in tqdm(
+        files, desc="Loading weights", unit="file", disable=not show_progress or len(files) == 1
+    ):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[Tuple[str, torch.Tensor]], show_progress: bool = True) -> None:
+def load_weights(
+    model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], show_progress: bool = True
+) -> None:
     """Copy every HF tensor into its (possibly merged and sharded) parameter; fail on anything missing."""
-    modules: Dict[str, nn.Module] = dict(model.named_modules())
+    modules: dict[str, nn.Module] = dict(model.named_modules())
     expected = {n for n, _ in model.named_parameters(remove_duplicate=True)}
     loaded = set()
     bar = tqdm(desc="Loading weights", unit="tensor", total=len(expected), disable=not show_progress)

@@ -5,8 +5,6 @@ Every page is in exactly one place: the free list, the prefix cache, or a reques
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import numpy as np
 import torch
 
@@ -18,7 +16,7 @@ class CacheManager:
     def __init__(self, num_pages: int, page_size: int, cache_type: str) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         self.cache: BasePrefixCache = PREFIX_CACHES.get(cache_type)(page_size)
-        self._free: List[int] = list(range(num_pages - 1, -1, -1))
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
 
     # ---- pages -----------------------------------------------------------------------------------
     @property
@@ -30,20 +28,20 @@ class CacheManager:
         """Pages a request could get now: free plus evictable."""
         return len(self._free) + self.cache.evictable_pages
 
-    def alloc(self, n: int) -> Optional[List[int]]:
+    def alloc(self, n: int) -> list[int] | None:
         """n pages, evicting cached prefixes if needed; None (and nothing taken) when impossible."""
         if n > len(self._free):
             self._free.extend(self.cache.evict(n - len(self._free)))
         if n > len(self._free):
             return None
         out = self._free[-n:] if n else []
-        del self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n :]
         return out
 
-    def free(self, pages: List[int]) -> None:
+    def free(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
-    def slots_of(self, pages: List[int], n: int) -> torch.Tensor:
+    def slots_of(self, pages: list[int], n: int) -> torch.Tensor:
         """KV slots of positions 0..n-1 of a request owning `pages`."""
         ps = self.page_size
         t = torch.from_numpy(np.asarray(pages[: (n + ps - 1) // ps], dtype=np.int32))
@@ -83,20 +81,24 @@ class CacheManager:
             self.insert(req, req.cached_len)
         if req.cache_len:
             ps = self.page_size
-            _, slots = self.cache.insert(req.token_ids[: req.cache_len], self.slots_of(req.pages, req.cache_len))
+            _, slots = self.cache.insert(
+                req.token_ids[: req.cache_len], self.slots_of(req.pages, req.cache_len)
+            )
             held = set((slots[::ps] // ps).tolist())
         self.cache.unlock(req.cache_handle)
         self.free([p for p in req.pages if p not in held])
         req.pages, req.cache_handle, req.cache_len = [], None, 0
 
     # ---- checks ----------------------------------------------------------------------------------
-    def check_integrity(self) -> Optional[str]:
+    def check_integrity(self) -> str | None:
         """None when every page is free or held by the cache and nothing is locked; else what is wrong."""
         cached = self.cache.all_pages()
         seen = self._free + cached
         if len(seen) != self.num_pages or len(set(seen)) != self.num_pages:
-            return (f"page leak: {len(self._free)} free + {len(cached)} cached != {self.num_pages} total "
-                    f"({len(set(seen))} distinct)")
+            return (
+                f"page leak: {len(self._free)} free + {len(cached)} cached != {self.num_pages} total "
+                f"({len(set(seen))} distinct)"
+            )
         if self.cache.has_locks():
             return "a cached prefix is still locked while no request runs"
         return None

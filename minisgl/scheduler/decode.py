@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 from minisgl.core import Req
 
 
 class DecodeManager:
     def __init__(self) -> None:
-        self.running: List[Req] = []
+        self.running: list[Req] = []
 
     def add(self, req: Req) -> None:
         self.running.append(req)
@@ -17,16 +15,19 @@ class DecodeManager:
     def remove(self, req: Req) -> None:
         self.running.remove(req)
 
-    def find(self, uid: int) -> Optional[Req]:
+    def find(self, uid: int) -> Req | None:
         for req in self.running:
             if req.uid == uid:
                 return req
         return None
 
-    def decodable(self) -> List[Req]:
+    def decodable(self) -> list[Req]:
         """Requests whose next token is worth computing (the last one may still be in flight)."""
-        return [r for r in self.running if not r.finished and r.device_len < r.max_total_len
-                and r.device_len == r.cached_len + 1]
+        return [
+            r
+            for r in self.running
+            if not r.finished and r.device_len < r.max_total_len and r.device_len == r.cached_len + 1
+        ]
 
-    def newest(self, candidates: List[Req]) -> Req:
+    def newest(self, candidates: list[Req]) -> Req:
         return max(candidates, key=lambda r: r.arrival)

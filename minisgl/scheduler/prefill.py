@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, List, Optional
+from typing import TYPE_CHECKING
 
 from minisgl.core import Req
 
@@ -23,26 +23,27 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 @dataclass
 class PrefillPlan:
-    reqs: List[Req]
-    prefix_lens: List[int]
-    extend_lens: List[int]
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
 
 
 class PrefillManager:
-    def __init__(self, cache: "CacheManager", table: "TableManager", max_prefill_length: int,
-                 reserve_ratio: float) -> None:
+    def __init__(
+        self, cache: CacheManager, table: TableManager, max_prefill_length: int, reserve_ratio: float
+    ) -> None:
         self.cache, self.table = cache, table
         self.budget = max_prefill_length
         self.reserve_ratio = reserve_ratio
-        self.waiting: Deque[Req] = deque()
-        self.chunked: Optional[Req] = None  # admitted, prompt partly computed
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # admitted, prompt partly computed
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "computed_prompt_tokens": 0}
         self._arrivals = 0
 
     def add(self, req: Req, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(req)
 
-    def remove(self, uid: int) -> Optional[Req]:
+    def remove(self, uid: int) -> Req | None:
         for req in self.waiting:
             if req.uid == uid:
                 self.waiting.remove(req)
@@ -51,10 +52,12 @@ class PrefillManager:
 
     def _future_pages(self, req: Req) -> int:
         """Pages req may still need for decoding, scaled by the reserve ratio."""
-        need = pages_for(req.max_total_len, self.cache.page_size) - pages_for(len(req.token_ids), self.cache.page_size)
+        need = pages_for(req.max_total_len, self.cache.page_size) - pages_for(
+            len(req.token_ids), self.cache.page_size
+        )
         return int(need * self.reserve_ratio + 0.999)
 
-    def reserved_pages(self, running: List[Req]) -> int:
+    def reserved_pages(self, running: list[Req]) -> int:
         ps = self.cache.page_size
         total = 0
         for r in running:
@@ -74,7 +77,7 @@ class PrefillManager:
         req.pages.extend(pages)
         return True
 
-    def schedule(self, running: List[Req]) -> Optional[PrefillPlan]:
+    def schedule(self, running: list[Req]) -> PrefillPlan | None:
         """Pick this step's prefill work: the chunked request first, then waiting requests in order."""
         plan = PrefillPlan([], [], [])
         budget = self.budget

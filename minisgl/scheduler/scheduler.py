@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,9 +33,9 @@ class StepOutput:
     uid: int
     token_id: int
     finished: bool
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
-    logprob: Optional[float] = None
-    top_logprobs: Optional[List[Tuple[int, float]]] = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Scheduler:
@@ -54,35 +53,42 @@ class Scheduler:
         self.cache = CacheManager(self.engine.num_pages, self.page_size, config.cache_type)
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
         self.decode = DecodeManager()
-        self.reqs: Dict[int, Req] = {}
-        self.stream = create_stream(self.device)  # the engine computes here; batches are prepared on the current stream
-        self._in_flight: Optional[Tuple[Batch, ForwardOutput]] = None
+        self.reqs: dict[int, Req] = {}
+        self.stream = create_stream(
+            self.device
+        )  # the engine computes here; batches are prepared on the current stream
+        self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._staging = HostRing(self.device)  # pinned buffers for the per-step host -> device copy
-        self._pending_outputs: List[StepOutput] = []
+        self._pending_outputs: list[StepOutput] = []
         self.num_retractions = 0
         self.last_batch_size = 0
         self.max_batch_size = 0
         self.num_total_pages = self.engine.num_pages
         self.pool_tokens = self.num_total_pages * self.page_size
-        logger.info(f"Scheduler ready: cache={config.cache_type}, overlap={self.overlap}, "
-                    f"max_prefill_length={config.max_prefill_length}")
+        logger.info(
+            f"Scheduler ready: cache={config.cache_type}, overlap={self.overlap}, "
+            f"max_prefill_length={config.max_prefill_length}"
+        )
 
     # ---- requests in -----------------------------------------------------------------------------
-    def validate(self, input_ids: List[int], params: SamplingParams) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a request."""
         params.validate()
         if len(input_ids) == 0:
             raise ValueError("the prompt is empty")
         if len(input_ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(input_ids)} tokens; the maximum sequence length is "
-                             f"{self.max_seq_len} (prompt + at least one generated token)")
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the maximum sequence length is "
+                f"{self.max_seq_len} (prompt + at least one generated token)"
+            )
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(input_ids) >= self.pool_tokens:
-            raise ValueError(f"the prompt has {len(input_ids)} tokens but the KV pool holds only "
-                             f"{self.pool_tokens}")
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens but the KV pool holds only {self.pool_tokens}"
+            )
 
-    def add_request(self, uid: int, input_ids: List[int], params: SamplingParams) -> None:
+    def add_request(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
         if uid in self.reqs:
             raise ValueError(f"request uid {uid} is already in use")
         input_ids = [int(t) for t in input_ids]
@@ -112,11 +118,16 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.prefill.waiting or self.prefill.chunked or self.decode.running
-                    or self._in_flight or self._pending_outputs)
+        return bool(
+            self.prefill.waiting
+            or self.prefill.chunked
+            or self.decode.running
+            or self._in_flight
+            or self._pending_outputs
+        )
 
     @torch.inference_mode()
-    def step(self) -> List[StepOutput]:
+    def step(self) -> list[StepOutput]:
         """Run one step; returns the tokens that became known (the previous step's with overlap)."""
         batch = self._schedule()
         out = self._launch(batch) if batch is not None else None
@@ -145,14 +156,16 @@ class Scheduler:
             self._in_flight = None
 
     # ---- scheduling ------------------------------------------------------------------------------
-    def _schedule(self) -> Optional[Batch]:
+    def _schedule(self) -> Batch | None:
         plan = self.prefill.schedule(self.decode.running)
         if plan is not None:
             return self._prepare_prefill(plan)
         return self._prepare_decode()
 
     def _prepare_prefill(self, plan: PrefillPlan) -> Batch:
-        sample_mask = [p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)]
+        sample_mask = [
+            p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)
+        ]
         batch = Batch(plan.reqs, "prefill", plan.prefix_lens, plan.extend_lens, sample_mask)
         # per-token parts as tensors (a prefill step can hold thousands of tokens)
         positions, input_ids, out_loc, pt_rows, pt_pos, pt_slots = [], [], [], [], [], []
@@ -170,11 +183,21 @@ class Scheduler:
             req.table_len = end
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
-        prefill_parts = (torch.cat(pt_rows), torch.cat(pt_pos), torch.cat(pt_slots),
-                         [plan.reqs[i].table_idx for i in sampled], ends[sampled].to(torch.int32),
-                         torch.from_numpy(np.concatenate(input_ids)))
-        self._to_device(batch, torch.cat(positions), torch.cat(out_loc),
-                        [plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled], prefill_parts)
+        prefill_parts = (
+            torch.cat(pt_rows),
+            torch.cat(pt_pos),
+            torch.cat(pt_slots),
+            [plan.reqs[i].table_idx for i in sampled],
+            ends[sampled].to(torch.int32),
+            torch.from_numpy(np.concatenate(input_ids)),
+        )
+        self._to_device(
+            batch,
+            torch.cat(positions),
+            torch.cat(out_loc),
+            [plan.prefix_lens[i] + plan.extend_lens[i] for i in sampled],
+            prefill_parts,
+        )
         for req, prefix, extend, s in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, sample_mask):
             req.cached_len = prefix + extend
             req.device_len = req.cached_len + 1 if s else req.cached_len
@@ -182,7 +205,7 @@ class Scheduler:
                 self.decode.add(req)
         return batch
 
-    def _prepare_decode(self) -> Optional[Batch]:
+    def _prepare_decode(self) -> Batch | None:
         reqs = self.decode.decodable()
         if not reqs:
             return None
@@ -216,7 +239,9 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Out of pages: send the newest request back to the queue, keeping its tokens. Its computed KV
         goes to the prefix cache, so resuming recomputes only what was evicted meanwhile."""
-        logger.warning(f"KV pool full: retracting request {req.uid} ({len(req.token_ids)} tokens) to the queue")
+        logger.warning(
+            f"KV pool full: retracting request {req.uid} ({len(req.token_ids)} tokens) to the queue"
+        )
         self.num_retractions += 1
         self.decode.remove(req)
         self._release(req)
@@ -229,8 +254,9 @@ class Scheduler:
             self.table.free(req.table_idx)
             req.table_idx, req.table_len = -1, 0
 
-    def _to_device(self, batch: Batch, positions, out_loc, sample_pos: List[int],
-                   prefill_parts: Optional[tuple] = None) -> None:
+    def _to_device(
+        self, batch: Batch, positions, out_loc, sample_pos: list[int], prefill_parts: tuple | None = None
+    ) -> None:
         """Pack the step's integers (lists or int32 tensors) into one pinned buffer, copy it to the device
         in one go, and fill in the batch's device tensors. A prefill batch also brings `prefill_parts`:
         page-table (rows, positions, slots), sample rows, logits rows and input ids. A decode batch starts
@@ -242,11 +268,11 @@ class Scheduler:
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
         dev, offsets = self._staging.pack(parts)
-        views = [dev[off:off + len(p)] for off, p in zip(offsets, parts)]
+        views = [dev[off : off + len(p)] for off, p in zip(offsets, parts)]
         batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t, batch.sample_pos = views[:5]
         if prefill_parts is None:
             n, m = batch.size, offsets[1]
-            batch.graph_inputs = dev[:4 * m].view(4, m)[:, :n]
+            batch.graph_inputs = dev[: 4 * m].view(4, m)[:, :n]
             batch.sample_table_idx = batch.table_idx
         else:
             pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[5:]
@@ -256,11 +282,11 @@ class Scheduler:
         batch.sampling_info = SamplingInfo.build(sampled, sample_pos, self.vocab_size, self.device)
 
     # ---- results ---------------------------------------------------------------------------------
-    def _process(self, batch: Batch, out: ForwardOutput) -> List[StepOutput]:
+    def _process(self, batch: Batch, out: ForwardOutput) -> list[StepOutput]:
         out.wait()  # the only host synchronisation of a step
         tokens = out.next_tokens_host.tolist()
         logprobs = out.logprobs_host
-        results: List[StepOutput] = []
+        results: list[StepOutput] = []
         j = -1
         for req, sampled in zip(batch.reqs, batch.sample_mask):
             if not sampled:
@@ -285,7 +311,7 @@ class Scheduler:
                 self.reqs.pop(req.uid, None)
         return results
 
-    def _finish_reason(self, req: Req, token: int) -> Optional[str]:
+    def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.sampling_params
         if token in params.stop_token_ids:
             return "stop"
@@ -299,13 +325,19 @@ class Scheduler:
     def num_free_pages(self) -> int:
         return self.cache.num_free
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> dict[str, float]:
         s = dict(self.prefill.stats)
         used = self.num_total_pages - self.cache.num_free
-        s.update(num_running=len(self.decode.running) + (1 if self.prefill.chunked else 0),
-                 num_waiting=len(self.prefill.waiting), kv_used_pages=used, kv_total_pages=self.num_total_pages,
-                 kv_cached_pages=self.cache.cache.cached_pages, num_retractions=self.num_retractions,
-                 last_batch_size=self.last_batch_size, max_batch_size=self.max_batch_size)
+        s.update(
+            num_running=len(self.decode.running) + (1 if self.prefill.chunked else 0),
+            num_waiting=len(self.prefill.waiting),
+            kv_used_pages=used,
+            kv_total_pages=self.num_total_pages,
+            kv_cached_pages=self.cache.cache.cached_pages,
+            num_retractions=self.num_retractions,
+            last_batch_size=self.last_batch_size,
+            max_batch_size=self.max_batch_size,
+        )
         return s
 
     def check_integrity(self) -> None:

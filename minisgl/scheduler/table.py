@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import List
-
 
 class TableManager:
     def __init__(self, max_running_req: int) -> None:
         self.capacity = max_running_req
-        self._free: List[int] = list(range(max_running_req - 1, -1, -1))
+        self._free: list[int] = list(range(max_running_req - 1, -1, -1))
 
     @property
     def num_free(self) -> int:

@@ -3,4 +3,4 @@
 from .logger import init_logger
 from .registry import Registry
 
-__all__ = ["init_logger", "Registry"]
+__all__ = ["Registry", "init_logger"]

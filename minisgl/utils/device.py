@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -116,8 +116,10 @@ class HostRing:
     def pack(self, parts: list) -> tuple[torch.Tensor, list[int]]:
         """Pack int parts (lists or int32 tensors) into one buffer, each part starting 16-byte aligned, and
         copy it to the device in one asynchronous copy. Returns the device tensor and the parts' offsets."""
-        arrays = [p if isinstance(p, torch.Tensor) else torch.from_numpy(np.asarray(p, dtype=np.int32))
-                  for p in parts]
+        arrays = [
+            p if isinstance(p, torch.Tensor) else torch.from_numpy(np.asarray(p, dtype=np.int32))
+            for p in parts
+        ]
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
@@ -125,7 +127,7 @@ class HostRing:
         cuda = is_cuda(self.device)
         buf, slot = self.take(total) if cuda else (torch.empty(total, dtype=torch.int32), -1)
         for off, a in zip(offsets, arrays):
-            buf[off:off + a.numel()] = a
+            buf[off : off + a.numel()] = a
         if not cuda:
             return buf, offsets
         dev = buf[:total].to(self.device, non_blocking=True)
@@ -145,7 +147,7 @@ def physical_cores() -> int:
         n = psutil.cpu_count(logical=False)
         if n:
             return n
-    except Exception:  # psutil missing or unable to read the topology
+    except Exception:  # noqa: BLE001, S110 (psutil missing or unable to read the topology: count below)
         pass
     return os.cpu_count() or 1
 

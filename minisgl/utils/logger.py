@@ -15,8 +15,11 @@ def init_logger(name: str, role: str | None = None) -> logging.Logger:
     if not _CONFIGURED:
         level = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[%(asctime)s %(process)d %(name)s] %(levelname)s %(message)s",
-                                               datefmt="%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter(
+                "[%(asctime)s %(process)d %(name)s] %(levelname)s %(message)s", datefmt="%H:%M:%S"
+            )
+        )
         root = logging.getLogger("minisgl")
         root.addHandler(handler)
         root.setLevel(level)

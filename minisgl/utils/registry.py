@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, List, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -12,7 +13,7 @@ class Registry(Generic[T]):
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self._table: Dict[str, T] = {}
+        self._table: dict[str, T] = {}
 
     def register(self, *names: str) -> Callable[[T], T]:
         def wrap(obj: T) -> T:
@@ -28,7 +29,7 @@ class Registry(Generic[T]):
             raise ValueError(f"unknown {self.kind} {name!r}; supported: {', '.join(self.names())}")
         return self._table[name]
 
-    def names(self) -> List[str]:
+    def names(self) -> list[str]:
         return sorted(self._table)
 
     def __contains__(self, name: str) -> bool:
