@@ -45,54 +45,14 @@ _MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism g
 
 # ---- decode --------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    page_table_ptr,
-    table_idx_ptr,
-    seq_lens_ptr,
-    mid_o_ptr,
-    mid_lse_ptr,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_pt,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    scale_log2,
-    GROUP,
-    D,
-    NUM_SPLITS,
-    k_ptr,
-    v_ptr,
-    stride_kb,
-    stride_knh,
-    stride_vb,
-    stride_vnh,
-    loc_ptr,
-    pos_ptr,
-    cache_ptr,
-    stride_cache,
-    qw_ptr,
-    kw_ptr,
-    eps,
-    HALF,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr,
-    ROPE: tl.constexpr,
-    NORM: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr,
+                         mid_o_ptr, mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_pt, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                         scale_log2, GROUP, D, NUM_SPLITS, k_ptr, v_ptr, stride_kb, stride_knh, stride_vb,
+                         stride_vnh, loc_ptr, pos_ptr, cache_ptr, stride_cache, qw_ptr, kw_ptr, eps, HALF,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PRECISION: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
     keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
     nothing (the merge reads only the splits that hold keys). DIRECT (one split): the output itself goes
@@ -121,58 +81,23 @@ def _decode_split_kernel(
     if ROPE:
         pos = tl.load(pos_ptr + b).to(tl.int64)
         cos, sin, partner, sign = rope_consts(cache_ptr, stride_cache, pos, dims, HALF)
-        q = rope_rows(
-            q_ptr + b.to(tl.int64) * stride_qb,
-            heads,
-            stride_qh,
-            head_mask,
-            qw_ptr,
-            eps,
-            cos,
-            sin,
-            partner,
-            sign,
-            dims,
-            D,
-            NORM,
-        ).to(q_ptr.dtype.element_ty)
+        q = rope_rows(q_ptr + b.to(tl.int64) * stride_qb, heads, stride_qh, head_mask, qw_ptr, eps, cos, sin,
+                      partner, sign, dims, D, NORM).to(q_ptr.dtype.element_ty)
         if end == seq_len:  # this split holds the new key: rotate it and store it (and v) first
             slot = tl.load(loc_ptr + b).to(tl.int64)
             one = tl.arange(0, 1)
-            k_new = rope_rows(
-                k_ptr + b.to(tl.int64) * stride_kb,
-                kv_head + one,
-                stride_knh,
-                one == 0,
-                kw_ptr,
-                eps,
-                cos,
-                sin,
-                partner,
-                sign,
-                dims,
-                D,
-                NORM,
-            )
+            k_new = rope_rows(k_ptr + b.to(tl.int64) * stride_kb, kv_head + one, stride_knh, one == 0, kw_ptr, eps,
+                              cos, sin, partner, sign, dims, D, NORM)
             # k_new is [1, BLOCK_D]: one[:, None] (= 0) gives the pointers the same shape
-            tl.store(
-                k_cache_ptr + slot * stride_kt + kv_head * stride_kh + one[:, None] + dims[None, :],
-                k_new.to(k_cache_ptr.dtype.element_ty),
-                mask=dim_mask[None, :],
-            )
+            tl.store(k_cache_ptr + slot * stride_kt + kv_head * stride_kh + one[:, None] + dims[None, :],
+                     k_new.to(k_cache_ptr.dtype.element_ty), mask=dim_mask[None, :])
             v_new = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kv_head * stride_vnh + dims, mask=dim_mask)
-            tl.store(
-                v_cache_ptr + slot * stride_vt + kv_head * stride_vh + dims,
-                v_new.to(v_cache_ptr.dtype.element_ty),
-                mask=dim_mask,
-            )
+            tl.store(v_cache_ptr + slot * stride_vt + kv_head * stride_vh + dims,
+                     v_new.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
             tl.debug_barrier()  # the stores are visible to every thread of the program before the loads below
     else:
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=head_mask[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -182,33 +107,21 @@ def _decode_split_kernel(
         key_mask = offs_n < end
         slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=key_mask, other=0).to(tl.int64)
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
         qk = tl.where(key_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block in the loop holds a real key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    mid = (
-        mid_o_ptr
-        + b.to(tl.int64) * stride_mb
-        + heads[:, None] * stride_mh
-        + split * stride_ms
-        + dims[None, :]
-    )
+    mid = mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dims[None, :]
     tl.store(mid, out.to(mid_o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
     if not DIRECT:
         lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
@@ -222,25 +135,9 @@ def _split_len(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_merge_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    seq_lens_ptr,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    NUM_SPLITS,
-    D,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, stride_mb, stride_mh, stride_ms,
+                         stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over
     the splits that hold keys (stage 1 wrote nothing for the others)."""
     gdc_begin(PDL)
@@ -251,46 +148,19 @@ def _decode_merge_kernel(
     split_mask = splits < tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < D
-    lse = tl.load(
-        mid_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf")
-    )
+    lse = tl.load(mid_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # masked splits (-inf) weigh 0; split 0 always holds keys
-    o = tl.load(
-        mid_o_ptr + b * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
-        mask=split_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
+    o = tl.load(mid_o_ptr + b * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
+                mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-    tl.store(
-        out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask
-    )
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 # ---- prefill / extend ----------------------------------------------------------------------------------
 @triton.jit
-def _attend_block(
-    q,
-    m_i,
-    l_i,
-    acc,
-    k_cache_ptr,
-    v_cache_ptr,
-    pt_row_ptr,
-    n0,
-    kv_head,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    scale_log2,
-    dims,
-    dim_mask,
-    q_pos,
-    kv_end,
-    CAUSAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv_head, stride_kt, stride_kh,
+                  stride_vt, stride_vh, scale_log2, dims, dim_mask, q_pos, kv_end, CAUSAL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One key block of the online softmax. CAUSAL: the block crosses the diagonal or the sequence end,
     so keys past a query's position (or past kv_end) are masked; otherwise every key is visible."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -301,11 +171,8 @@ def _attend_block(
     else:
         slots = tl.load(pt_row_ptr + offs_n).to(tl.int64)
         kv_mask = dim_mask[None, :]
-    k = tl.load(
-        k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=kv_mask,
+                other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
     if CAUSAL:
         visible = (offs_n[None, :] <= q_pos[:, None]) & key_mask[None, :]
@@ -315,46 +182,18 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask,
+                other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _extend_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    page_table_ptr,
-    table_idx_ptr,
-    q_start_ptr,
-    prefix_ptr,
-    extend_ptr,
-    tile_req_ptr,
-    tile_m_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_pt,
-    scale_log2,
-    GROUP,
-    D,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr, q_start_ptr,
+                   prefix_ptr, extend_ptr, tile_req_ptr, tile_m_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_ot, stride_oh, stride_pt, scale_log2, GROUP, D,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (work tile, query head): the tile is query tile tile_m of request b = tile_req (b < 0: a
     padding tile of a CUDA graph, nothing to do). New query i of b sits at position prefix + i and sees
     keys 0..prefix + i, all read from the pool (store_kv has written the new ones already)."""
@@ -376,11 +215,8 @@ def _extend_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < D
     q_rows = q_start + offs_m
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     q_pos = prefix + offs_m
     pt_row_ptr = page_table_ptr + row * stride_pt
 
@@ -391,59 +227,16 @@ def _extend_kernel(
     full_end = (prefix + m_start + 1) // BLOCK_N * BLOCK_N
     kv_end = prefix + tl.minimum(m_start + BLOCK_M, extend)
     for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            pt_row_ptr,
-            n0,
-            kv_head,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            scale_log2,
-            dims,
-            dim_mask,
-            q_pos,
-            kv_end,
-            False,
-            BLOCK_N,
-            PRECISION,
-        )
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv_head,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims, dim_mask,
+                                      q_pos, kv_end, False, BLOCK_N, PRECISION)
     for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: at most BLOCK_M / BLOCK_N + 1 blocks
-        m_i, l_i, acc = _attend_block(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            pt_row_ptr,
-            n0,
-            kv_head,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            scale_log2,
-            dims,
-            dim_mask,
-            q_pos,
-            kv_end,
-            True,
-            BLOCK_N,
-            PRECISION,
-        )
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv_head,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims, dim_mask,
+                                      q_pos, kv_end, True, BLOCK_N, PRECISION)
     out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
 # ---- the backend ---------------------------------------------------------------------------------------
@@ -467,9 +260,7 @@ class TritonExtendMetadata:
     num_tiles: int  # sizes the grid
 
 
-def extend_tiles(
-    prefix_lens: np.ndarray, extend_lens: np.ndarray, block_m: int
-) -> tuple[np.ndarray, np.ndarray]:
+def extend_tiles(prefix_lens: np.ndarray, extend_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """The extend kernel's work list: every (request, query tile) pair, those with the most keys first
     (the longest programs start in the first wave)."""
     counts = -(-extend_lens // block_m)
@@ -521,9 +312,8 @@ class TritonAttnBackend(BaseAttnBackend):
         blocks = triton.cdiv(max_seq_len, self.decode_block_n)
         return max(1, min(wanted, blocks, _MAX_SPLITS))
 
-    def _decode_metadata(
-        self, batch: Batch, num_splits: int, mid_o: torch.Tensor, mid_lse: torch.Tensor
-    ) -> TritonDecodeMetadata:
+    def _decode_metadata(self, batch: Batch, num_splits: int, mid_o: torch.Tensor,
+                         mid_lse: torch.Tensor) -> TritonDecodeMetadata:
         return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse)
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -533,21 +323,16 @@ class TritonAttnBackend(BaseAttnBackend):
             splits = self.num_splits(bs, max(batch.seq_lens))  # host list: no device sync
             mid_o = mid_lse = None  # one split writes the output directly
             if splits > 1:
-                mid_o = torch.empty(
-                    (bs, cfg.num_heads, splits, cfg.head_dim), dtype=torch.float32, device=device
-                )
+                mid_o = torch.empty((bs, cfg.num_heads, splits, cfg.head_dim), dtype=torch.float32, device=device)
                 mid_lse = torch.empty((bs, cfg.num_heads, splits), dtype=torch.float32, device=device)
             batch.attn_metadata = self._decode_metadata(batch, splits, mid_o, mid_lse)
             return
         parts = self._extend_parts(batch)
         # each part 16-byte aligned (Triton specialises on pointer alignment: no recompiles per batch size)
         dev, offsets = self._staging.pack(parts)
-        q_start, prefix_lens, extend_lens, tile_req, tile_m = (
-            dev[off : off + len(p)] for off, p in zip(offsets, parts)
-        )
-        batch.attn_metadata = TritonExtendMetadata(
-            batch.table_idx, q_start, prefix_lens, extend_lens, tile_req, tile_m, len(parts[3])
-        )
+        q_start, prefix_lens, extend_lens, tile_req, tile_m = (dev[off:off + len(p)] for off, p in zip(offsets, parts))
+        batch.attn_metadata = TritonExtendMetadata(batch.table_idx, q_start, prefix_lens, extend_lens, tile_req,
+                                                   tile_m, len(parts[3]))
 
     def _extend_parts(self, batch: Batch) -> list[np.ndarray]:
         """q_start, prefix_lens, extend_lens (per request), tile_req, tile_m (per work tile), on the host."""
@@ -563,39 +348,22 @@ class TritonAttnBackend(BaseAttnBackend):
     def fuses_rope(self, batch: Batch) -> bool:
         return batch.is_decode  # the decode kernel rotates q and the new k and stores k/v itself
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: Batch,
-        stored: bool = False,
-        rope: Rope | None = None,
-        defer_merge: bool = False,
-    ) -> torch.Tensor | SplitAttention:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, layer_id: int, batch: Batch,
+                stored: bool = False, rope: Rope | None = None,
+                defer_merge: bool = False) -> torch.Tensor | SplitAttention:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
         assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
         if rope is not None:
             assert batch.is_decode and not stored and k.stride(-1) == 1 and v.stride(-1) == 1
-            return self._decode(
-                q, k_cache, v_cache, batch.attn_metadata, (rope, k, v, batch.out_loc), defer_merge
-            )
+            return self._decode(q, k_cache, v_cache, batch.attn_metadata, (rope, k, v, batch.out_loc), defer_merge)
         if not stored:
             triton_ops.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         if batch.is_decode:
             return self._decode(q, k_cache, v_cache, batch.attn_metadata, None, defer_merge)
         return self._extend(q, k_cache, v_cache, batch.attn_metadata)
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TritonDecodeMetadata,
-        fused: tuple | None = None,
-        defer_merge: bool = False,
-    ) -> torch.Tensor | SplitAttention:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonDecodeMetadata,
+                fused: tuple | None = None, defer_merge: bool = False) -> torch.Tensor | SplitAttention:
         """fused = (rope, k, v, out_loc): q, k, v are unrotated and the kernel rotates them and stores k/v.
         defer_merge: one request's several splits come back unmerged (SplitAttention) for the output
         projection's GEMV to merge."""
@@ -612,146 +380,51 @@ class TritonAttnBackend(BaseAttnBackend):
             rope, k, v, out_loc = fused
             cache = rope.cos_sin_cache
             norm = rope.q_weight is not None
-            rope_args = (
-                k,
-                v,
-                k.stride(0),
-                k.stride(1),
-                v.stride(0),
-                v.stride(1),
-                out_loc,
-                rope.positions,
-                cache,
-                cache.stride(0),
-                rope.q_weight if norm else q,
-                rope.k_weight if norm else q,
-                rope.eps,
-                cache.shape[-1] // 2,
-            )
+            rope_args = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), out_loc, rope.positions, cache,
+                         cache.stride(0), rope.q_weight if norm else q, rope.k_weight if norm else q, rope.eps,
+                         cache.shape[-1] // 2)
         else:
             norm = False
             rope_args = (q, q, 0, 0, 0, 0, meta.seq_lens, meta.seq_lens, q, 0, q, q, 0.0, 0)  # unused
         _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
-            q,
-            k_cache,
-            v_cache,
-            self.page_table,
-            meta.table_idx,
-            meta.seq_lens,
-            dst,
-            lse,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            self.page_table.stride(0),
-            dst.stride(0),
-            dst.stride(1),
-            dst.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            self.scale * _LOG2E,
-            self.group,
-            head_dim,
-            splits,
-            *rope_args,
-            BLOCK_H=block_h,
-            BLOCK_N=self.decode_block_n,
-            BLOCK_D=block_d,
-            PRECISION=self.precision,
-            DIRECT=direct,
-            ROPE=fused is not None,
-            NORM=norm,
-            PDL=pdl,
-            num_warps=self.decode_launch["num_warps"],
-            num_stages=self.decode_launch["num_stages"][direct],
-            **triton_ops.launch_opts(q),
-        )
+            q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, dst, lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            self.page_table.stride(0), dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0),
+            lse.stride(1), self.scale * _LOG2E, self.group, head_dim, splits, *rope_args, BLOCK_H=block_h,
+            BLOCK_N=self.decode_block_n, BLOCK_D=block_d, PRECISION=self.precision, DIRECT=direct,
+            ROPE=fused is not None, NORM=norm, PDL=pdl,
+            num_warps=self.decode_launch["num_warps"], num_stages=self.decode_launch["num_stages"][direct],
+            **triton_ops.launch_opts(q))
         if direct:
             return out
         if defer_merge and bs == 1:
-            return SplitAttention(
-                mid_o,
-                mid_lse,
-                meta.seq_lens,
-                splits,
-                self.decode_block_n,
-                q.dtype,
-                lambda: self._merge(mid_o, mid_lse, meta.seq_lens, splits, out).view(bs, -1),
-            )
+            return SplitAttention(mid_o, mid_lse, meta.seq_lens, splits, self.decode_block_n, q.dtype,
+                                  lambda: self._merge(mid_o, mid_lse, meta.seq_lens, splits, out).view(bs, -1))
         return self._merge(mid_o, mid_lse, meta.seq_lens, splits, out)
 
-    def _merge(
-        self,
-        mid_o: torch.Tensor,
-        mid_lse: torch.Tensor,
-        seq_lens: torch.Tensor,
-        splits: int,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
+    def _merge(self, mid_o: torch.Tensor, mid_lse: torch.Tensor, seq_lens: torch.Tensor, splits: int,
+               out: torch.Tensor) -> torch.Tensor:
         _decode_merge_kernel[out.shape[:2]](
-            mid_o,
-            mid_lse,
-            out,
-            seq_lens,
-            mid_o.stride(0),
-            mid_o.stride(1),
-            mid_o.stride(2),
-            mid_lse.stride(0),
-            mid_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            splits,
-            out.shape[2],
-            BLOCK_N=self.decode_block_n,
-            BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=triton.next_power_of_2(out.shape[2]),
-            PDL=triton_ops.pdl(out),
-            num_warps=4,
-            **triton_ops.launch_opts(out),
-        )
+            mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), splits, out.shape[2],
+            BLOCK_N=self.decode_block_n, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(out.shape[2]), PDL=triton_ops.pdl(out), num_warps=4,
+            **triton_ops.launch_opts(out))
         return out
 
-    def _extend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonExtendMetadata
-    ) -> torch.Tensor:
+    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonExtendMetadata) -> torch.Tensor:
         head_dim = q.shape[2]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         block_m, block_n = self.extend_blocks
         _extend_kernel[(meta.num_tiles, self.config.num_heads)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            self.page_table,
-            meta.table_idx,
-            meta.q_start,
-            meta.prefix_lens,
-            meta.extend_lens,
-            meta.tile_req,
-            meta.tile_m,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            out.stride(0),
-            out.stride(1),
-            self.page_table.stride(0),
-            self.scale * _LOG2E,
-            self.group,
-            head_dim,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            PRECISION=self.precision,
-            PDL=triton_ops.pdl(q),
-            **self.extend_launch,
-            **triton_ops.launch_opts(q),
-        )
+            q, k_cache, v_cache, out, self.page_table, meta.table_idx, meta.q_start, meta.prefix_lens,
+            meta.extend_lens, meta.tile_req, meta.tile_m, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            self.page_table.stride(0), self.scale * _LOG2E,
+            self.group, head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+            PRECISION=self.precision, PDL=triton_ops.pdl(q), **self.extend_launch,
+            **triton_ops.launch_opts(q))
         return out
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
@@ -791,10 +464,9 @@ class TritonAttnBackend(BaseAttnBackend):
         self._prefill_reqs = -(-max_reqs // 4) * 4  # keeps every part 16-byte aligned
         tiles = -(-self._max_tiles(max_tokens) // 4) * 4
         self._prefill_layout = (self._prefill_reqs, tiles)
-        self._prefill_meta = torch.zeros(
-            3 * self._prefill_reqs + 2 * tiles, dtype=torch.int32, device=self.config.device
-        )
-        self._prefill_meta[3 * self._prefill_reqs : 3 * self._prefill_reqs + tiles] = -1  # capture: no work
+        self._prefill_meta = torch.zeros(3 * self._prefill_reqs + 2 * tiles, dtype=torch.int32,
+                                         device=self.config.device)
+        self._prefill_meta[3 * self._prefill_reqs:3 * self._prefill_reqs + tiles] = -1  # capture: no work
 
     def prepare_prefill_capture(self, batch: Batch, num_tokens: int) -> None:
         """Metadata of a prefill graph of num_tokens tokens: views of the fixed buffer (the work list
@@ -802,15 +474,8 @@ class TritonAttnBackend(BaseAttnBackend):
         r, tiles = self._prefill_layout
         buf = self._prefill_meta
         n = self._max_tiles(num_tokens)
-        batch.attn_metadata = TritonExtendMetadata(
-            batch.table_idx,
-            buf[:r],
-            buf[r : 2 * r],
-            buf[2 * r : 3 * r],
-            buf[3 * r : 3 * r + n],
-            buf[3 * r + tiles : 3 * r + tiles + n],
-            n,
-        )
+        batch.attn_metadata = TritonExtendMetadata(batch.table_idx, buf[:r], buf[r:2 * r], buf[2 * r:3 * r],
+                                                   buf[3 * r:3 * r + n], buf[3 * r + tiles:3 * r + tiles + n], n)
 
     def prepare_prefill_replay(self, batch: Batch) -> None:
         """Write this batch's metadata into the fixed buffer (one copy): padding requests have no new
@@ -822,9 +487,9 @@ class TritonAttnBackend(BaseAttnBackend):
         flat = host[: self._prefill_meta.numel()].numpy()
         flat[:] = 0
         for i, part in enumerate((starts, prefix, extend)):
-            flat[i * r : i * r + len(part)] = part
-        flat[3 * r : 3 * r + tiles] = -1
-        flat[3 * r : 3 * r + len(tile_req)] = tile_req
-        flat[3 * r + tiles : 3 * r + tiles + len(tile_m)] = tile_m
+            flat[i * r:i * r + len(part)] = part
+        flat[3 * r:3 * r + tiles] = -1
+        flat[3 * r:3 * r + len(tile_req)] = tile_req
+        flat[3 * r + tiles:3 * r + tiles + len(tile_m)] = tile_m
         self._prefill_meta.copy_(host[: self._prefill_meta.numel()], non_blocking=True)
         self._staging.used(slot)

@@ -26,19 +26,13 @@ from minisgl.env import ENV
 @functools.cache
 def _pdl_on(index: int) -> bool:
     cuda_lang = getattr(tl.extra, "cuda", None)
-    return (
-        ENV.pdl
-        and torch.cuda.get_device_capability(index)[0] >= 9
-        and hasattr(cuda_lang, "gdc_wait")
-        and hasattr(cuda_lang, "gdc_launch_dependents")
-    )
+    return (ENV.pdl and torch.cuda.get_device_capability(index)[0] >= 9
+            and hasattr(cuda_lang, "gdc_wait") and hasattr(cuda_lang, "gdc_launch_dependents"))
 
 
 def pdl(x: torch.Tensor) -> bool:
     """Whether kernels on x's device launch with programmatic dependent launch."""
-    return x.is_cuda and _pdl_on(
-        x.device.index if x.device.index is not None else torch.cuda.current_device()
-    )
+    return x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 def launch_opts(x: torch.Tensor) -> dict:
@@ -68,22 +62,8 @@ def _warps(block: int) -> int:
 
 # ---- RMSNorm -------------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    res_out_ptr,
-    stride_x,
-    stride_r,
-    stride_o,
-    stride_ro,
-    N,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+                     N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row per program: (optionally residual += x, then) out = w * norm(x) like reference.rms_norm."""
     gdc_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -110,30 +90,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2,
-            x2,
-            weight,
-            out,
-            out,
-            x2.stride(0),
-            0,
-            out.stride(0),
-            0,
-            n,
-            eps,
-            HAS_RESIDUAL=False,
-            BLOCK=block,
-            PDL=pdl(x),
-            num_warps=_warps(block),
-            **launch_opts(x),
-        )
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
+                                         HAS_RESIDUAL=False, BLOCK=block, PDL=pdl(x), num_warps=_warps(block),
+                                         **launch_opts(x))
     return out.view(shape)
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place when residual is a unit-stride 2-D view); returns (rms_norm(residual),
     residual). One pass over the row instead of three."""
     shape, n = x.shape, x.shape[-1]
@@ -142,24 +106,9 @@ def fused_add_rms_norm(
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2,
-            r2,
-            weight,
-            out,
-            r2,
-            x2.stride(0),
-            r2.stride(0),
-            out.stride(0),
-            r2.stride(0),
-            n,
-            eps,
-            HAS_RESIDUAL=True,
-            BLOCK=block,
-            PDL=pdl(x),
-            num_warps=_warps(block),
-            **launch_opts(x),
-        )
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, r2, x2.stride(0), r2.stride(0), out.stride(0),
+                                         r2.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK=block, PDL=pdl(x),
+                                         num_warps=_warps(block), **launch_opts(x))
     return out.view(shape), r2.view(shape)
 
 
@@ -191,9 +140,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
         grid = (x2.shape[0], triton.cdiv(n, block))
-        _silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, PDL=pdl(x), num_warps=4, **launch_opts(x)
-        )
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, PDL=pdl(x), num_warps=4,
+                                   **launch_opts(x))
     return out.view(*x.shape[:-1], n)
 
 
@@ -213,9 +161,7 @@ def rope_consts(cache_ptr, stride_cache, pos, dims, HALF):
 
 
 @triton.jit
-def rope_rows(
-    base, rows, stride_row, row_mask, w_ptr, eps, cos, sin, partner, sign, dims, D, NORM: tl.constexpr
-):
+def rope_rows(base, rows, stride_row, row_mask, w_ptr, eps, cos, sin, partner, sign, dims, D, NORM: tl.constexpr):
     """Rows base[rows] ([R, D] head vectors) rotated: x[d] * cos[d] + sign[d] * x[partner[d]] * sin[d], in
     float32 (the caller rounds). NORM: each row is first RMS-normalised and scaled by w, rounded as
     reference.rms_norm does."""
@@ -235,89 +181,23 @@ def rope_rows(
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr,
-    out_ptr,
-    w_ptr,
-    eps,
-    stride_xt,
-    stride_xh,
-    stride_ot,
-    stride_oh,
-    token,
-    num_heads,
-    cos,
-    sin,
-    partner,
-    sign,
-    D,
-    NORM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _rotate_heads(x_ptr, out_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot, stride_oh, token, num_heads, cos,
+                  sin, partner, sign, D, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[token, h] = rope_rows(x[token, h]) for every head h at once."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    out = rope_rows(
-        x_ptr + token * stride_xt,
-        heads,
-        stride_xh,
-        heads < num_heads,
-        w_ptr,
-        eps,
-        cos,
-        sin,
-        partner,
-        sign,
-        dims,
-        D,
-        NORM,
-    )
-    tl.store(
-        out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=(heads[:, None] < num_heads) & (dims[None, :] < D),
-    )
+    out = rope_rows(x_ptr + token * stride_xt, heads, stride_xh, heads < num_heads, w_ptr, eps, cos, sin, partner,
+                    sign, dims, D, NORM)
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(heads[:, None] < num_heads) & (dims[None, :] < D))
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    pos_ptr,
-    cache_ptr,
-    q_w_ptr,
-    k_w_ptr,
-    eps,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_qot,
-    stride_qoh,
-    stride_kot,
-    stride_koh,
-    stride_cache,
-    v_ptr,
-    v_cache_ptr,
-    loc_ptr,
-    stride_vt,
-    stride_vh,
-    stride_ct,
-    stride_ch,
-    Hq,
-    Hk,
-    D,
-    HALF,
-    NORM: tl.constexpr,
-    STORE: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, eps, stride_qt,
+                   stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
+                   v_ptr, v_cache_ptr, loc_ptr, stride_vt, stride_vh, stride_ct, stride_ch, Hq, Hk, D, HALF,
+                   NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rotates the first 2*HALF dims of every q and k head (neox layout: dim d
     pairs with d + HALF) and copies the rest; NORM: RMSNorm each head first (Qwen3's q/k norm).
     STORE: the rotated k goes straight into the KV pool row loc[token] (k_out_ptr is the K cache) and v
@@ -327,90 +207,26 @@ def _rotary_kernel(
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     cos, sin, partner, sign = rope_consts(cache_ptr, stride_cache, pos, dims, HALF)
-    _rotate_heads(
-        q_ptr,
-        q_out_ptr,
-        q_w_ptr,
-        eps,
-        stride_qt,
-        stride_qh,
-        stride_qot,
-        stride_qoh,
-        token,
-        Hq,
-        cos,
-        sin,
-        partner,
-        sign,
-        D,
-        NORM,
-        BLOCK_HQ,
-        BLOCK_D,
-    )
+    _rotate_heads(q_ptr, q_out_ptr, q_w_ptr, eps, stride_qt, stride_qh, stride_qot, stride_qoh, token, Hq, cos,
+                  sin, partner, sign, D, NORM, BLOCK_HQ, BLOCK_D)
     if STORE:
         slot = tl.load(loc_ptr + token).to(tl.int64)  # int64: slot * row size overflows int32 in large pools
         # the K cache row of this token stands in for k_out[token] (a token stride of 0)
-        _rotate_heads(
-            k_ptr,
-            k_out_ptr + slot * stride_ct,
-            k_w_ptr,
-            eps,
-            stride_kt,
-            stride_kh,
-            0,
-            stride_ch,
-            token,
-            Hk,
-            cos,
-            sin,
-            partner,
-            sign,
-            D,
-            NORM,
-            BLOCK_HK,
-            BLOCK_D,
-        )
+        _rotate_heads(k_ptr, k_out_ptr + slot * stride_ct, k_w_ptr, eps, stride_kt, stride_kh, 0, stride_ch, token,
+                      Hk, cos, sin, partner, sign, D, NORM, BLOCK_HK, BLOCK_D)
         heads = tl.arange(0, BLOCK_HK)
         mask = (heads[:, None] < Hk) & (dims[None, :] < D)
         v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-        tl.store(
-            v_cache_ptr + slot * stride_ct + heads[:, None] * stride_ch + dims[None, :],
-            v.to(v_cache_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        tl.store(v_cache_ptr + slot * stride_ct + heads[:, None] * stride_ch + dims[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
-        _rotate_heads(
-            k_ptr,
-            k_out_ptr,
-            k_w_ptr,
-            eps,
-            stride_kt,
-            stride_kh,
-            stride_kot,
-            stride_koh,
-            token,
-            Hk,
-            cos,
-            sin,
-            partner,
-            sign,
-            D,
-            NORM,
-            BLOCK_HK,
-            BLOCK_D,
-        )
+        _rotate_heads(k_ptr, k_out_ptr, k_w_ptr, eps, stride_kt, stride_kh, stride_kot, stride_koh, token, Hk, cos,
+                      sin, partner, sign, D, NORM, BLOCK_HK, BLOCK_D)
 
 
-def _rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    kv_store: tuple | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+            kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rotary needs a unit stride on the head dim"
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -428,49 +244,17 @@ def _rotary(
         stride_kot, stride_koh = k_out.stride(0), k_out.stride(1)
         v_args = (k, k, positions, 0, 0, 0, 0)  # unused without STORE
     if T:
-        _rotary_kernel[(T,)](
-            q,
-            k,
-            q_out,
-            k_out,
-            positions,
-            cos_sin_cache,
-            q_weight if norm else q,
-            k_weight if norm else k,
-            eps,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            q_out.stride(0),
-            q_out.stride(1),
-            stride_kot,
-            stride_koh,
-            cos_sin_cache.stride(0),
-            *v_args,
-            Hq,
-            Hk,
-            D,
-            half,
-            NORM=norm,
-            STORE=kv_store is not None,
-            BLOCK_HQ=triton.next_power_of_2(Hq),
-            BLOCK_HK=triton.next_power_of_2(Hk),
-            BLOCK_D=triton.next_power_of_2(D),
-            PDL=pdl(q),
-            num_warps=4,
-            **launch_opts(q),
-        )
+        _rotary_kernel[(T,)](q, k, q_out, k_out, positions, cos_sin_cache, q_weight if norm else q,
+                             k_weight if norm else k, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                             q_out.stride(0), q_out.stride(1), stride_kot, stride_koh, cos_sin_cache.stride(0),
+                             *v_args, Hq, Hk, D, half, NORM=norm, STORE=kv_store is not None,
+                             BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
+                             BLOCK_D=triton.next_power_of_2(D), PDL=pdl(q), num_warps=4, **launch_opts(q))
     return q_out, (None if kv_store is not None else k_out)
 
 
-def apply_rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_store: tuple | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Neox rotary on q [T, Hq, D] and k [T, Hk, D] (new tensors, like the reference); the cache is
     [max_pos, rot_dim] float32 (cos | sin halves) and rot_dim may be smaller than D.
     kv_store = (k_cache, v_cache, out_loc, v): write the rotated k and v into the pool rows out_loc
@@ -478,16 +262,9 @@ def apply_rotary(
     return _rotary(q, k, positions, cos_sin_cache, None, None, 0.0, kv_store)
 
 
-def qk_norm_rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_store: tuple | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   kv_store: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over each head of q and k (weights [D]), then rotary, in one launch: as
     reference.qk_norm_rotary; kv_store as in apply_rotary."""
     assert q_weight.shape == k_weight.shape == (q.shape[-1],)
@@ -496,24 +273,9 @@ def qk_norm_rotary(
 
 # ---- KV store ------------------------------------------------------------------------------------------
 @triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    loc_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ct,
-    stride_ch,
-    H,
-    D,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, stride_kt, stride_kh, stride_vt,
+                     stride_vh, stride_ct, stride_ch, H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
     """One token per program: its K and V rows (all heads) go to pool row loc[token]."""
     gdc_begin(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -528,34 +290,16 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
     """Write the new tokens' K/V [T, Hkv, D] into the pool rows `out_loc` [T]."""
     T, H, D = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(-1) == 1
     if T:
-        _store_kv_kernel[(T,)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            out_loc,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            H,
-            D,
-            BLOCK_H=triton.next_power_of_2(H),
-            BLOCK_D=triton.next_power_of_2(D),
-            PDL=pdl(k),
-            num_warps=4,
-            **launch_opts(k),
-        )
+        _store_kv_kernel[(T,)](k, v, k_cache, v_cache, out_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               k_cache.stride(0), k_cache.stride(1), H, D, BLOCK_H=triton.next_power_of_2(H),
+                               BLOCK_D=triton.next_power_of_2(D), PDL=pdl(k), num_warps=4, **launch_opts(k))
 
 
 # ---- GEMV (decode at batch size 1) ---------------------------------------------------------------------
@@ -570,18 +314,8 @@ def _gemv_input(x_ptr, r_ptr, offs_k, k_mask, ADD: tl.constexpr):
 
 
 @triton.jit
-def _gemv_block_input(
-    x_ptr,
-    r_ptr,
-    nw_ptr,
-    rstd,
-    K: tl.constexpr,
-    k0,
-    BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD: tl.constexpr,
-):
+def _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K: tl.constexpr, k0, BLOCK_K: tl.constexpr,
+                      GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
     """The K block at k0 of the row the GEMV multiplies: x (+ residual), normalised, or silu(gate) * up."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
@@ -595,18 +329,8 @@ def _gemv_block_input(
 
 
 @triton.jit
-def _merged_input(
-    o_ptr,
-    lse_ptr,
-    n_splits,
-    stride_oh,
-    stride_os,
-    stride_lh,
-    offs_k,
-    k_mask,
-    HEAD_D: tl.constexpr,
-    dtype: tl.constexpr,
-):
+def _merged_input(o_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, offs_k, k_mask, HEAD_D: tl.constexpr,
+                  dtype: tl.constexpr):
     """Input elements offs_k (head = k // HEAD_D) of a split-KV attention output that is still in parts:
     sum_s 2^(lse_s - max lse) o_s / sum_s 2^(lse_s - max lse) over the n_splits splits that hold keys,
     rounded to dtype, as the decode merge kernel writes it."""
@@ -626,35 +350,11 @@ def _merged_input(
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr,
-    r_ptr,
-    h_ptr,
-    nw_ptr,
-    eps,
-    w_ptr,
-    b_ptr,
-    y_ptr,
-    N,
-    stride_wn,
-    lse_ptr,
-    seq_len_ptr,
-    stride_oh,
-    stride_os,
-    stride_lh,
-    NUM_SPLITS,
-    K: tl.constexpr,
-    GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    MERGE: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    SPLIT_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, stride_wn, lse_ptr, seq_len_ptr,
+                 stride_oh, stride_os, stride_lh, NUM_SPLITS, K: tl.constexpr, GATED: tl.constexpr,
+                 NORM: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, MERGE: tl.constexpr,
+                 HEAD_D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """y[n block] = W[n block] x for one row x. The first K block of W (with the tuned tiles, the whole
     slice: BLOCK_K >= K) is loaded before waiting for the previous kernel, since weights never depend on
     it: under programmatic dependent launch this kernel's weights stream in while the previous one runs.
@@ -687,18 +387,8 @@ def _gemv_kernel(
     if MERGE:
         seq_len = tl.load(seq_len_ptr)
         n_splits = tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_N) * SPLIT_N)
-        x = _merged_input(
-            x_ptr,
-            lse_ptr,
-            n_splits,
-            stride_oh,
-            stride_os,
-            stride_lh,
-            offs_k,
-            offs_k < K,
-            HEAD_D,
-            w_ptr.dtype.element_ty,
-        )
+        x = _merged_input(x_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, offs_k, offs_k < K, HEAD_D,
+                          w_ptr.dtype.element_ty)
     else:
         x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, 0, BLOCK_K, GATED, NORM, ADD)
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -706,18 +396,8 @@ def _gemv_kernel(
         offs = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs[None, :], mask=n_mask[:, None] & (offs < K)[None, :], other=0.0)
         if MERGE:
-            x = _merged_input(
-                x_ptr,
-                lse_ptr,
-                n_splits,
-                stride_oh,
-                stride_os,
-                stride_lh,
-                offs,
-                offs < K,
-                HEAD_D,
-                w_ptr.dtype.element_ty,
-            )
+            x = _merged_input(x_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, offs, offs < K, HEAD_D,
+                              w_ptr.dtype.element_ty)
         else:
             x = _gemv_block_input(x_ptr, r_ptr, nw_ptr, rstd, K, k0, BLOCK_K, GATED, NORM, ADD)
         y += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -730,14 +410,8 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv() serves y = x W^T: one row of half-precision activations against a row-major W.
     Measured on an H200 at Qwen3-0.6B shapes (graphs of back-to-back calls, weights not in L2): 1.1-4x
     faster than cuBLAS at one row; from two rows on cuBLAS was as fast or faster than any tile tried."""
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
 _GEMV_TILE = 16384  # weight elements a program holds: 32 KB in half precision
@@ -750,69 +424,32 @@ def _gemv_tiles(n: int, k: int) -> tuple[int, int]:
     return max(1, min(16, _GEMV_TILE // block_k)), block_k
 
 
-def _gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gated: bool,
-    norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None,
-    tiles: tuple[int, int] | None,
-) -> torch.Tensor:
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+          norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None,
+          tiles: tuple[int, int] | None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, 2 * k if gated else k) and x.stride(-1) == 1 and weight.stride(-1) == 1
     block_n, block_k = tiles or _gemv_tiles(n, k)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm_weight, eps, residual, h = norm or (weight, 0.0, None, weight)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        residual if residual is not None else x,
-        h,
-        norm_weight,
-        eps,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        n,
-        weight.stride(0),
-        x,
-        x,
-        0,
-        0,
-        0,
-        1,
-        K=k,
-        GATED=gated,
-        NORM=norm is not None,
-        ADD=residual is not None,
-        HAS_BIAS=bias is not None,
-        MERGE=False,
-        HEAD_D=1,
-        SPLIT_N=1,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        PDL=pdl(x),
-        num_warps=8 if block_n * block_k >= _GEMV_TILE else 4,
-        **launch_opts(x),
-    )
+        x, residual if residual is not None else x, h, norm_weight, eps, weight, bias if bias is not None else weight,
+        y, n, weight.stride(0), x, x, 0, 0, 0, 1, K=k, GATED=gated, NORM=norm is not None, ADD=residual is not None,
+        HAS_BIAS=bias is not None, MERGE=False, HEAD_D=1, SPLIT_N=1, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x),
+        num_warps=8 if block_n * block_k >= _GEMV_TILE else 4, **launch_opts(x))
     return y
 
 
 def gemv_merge_fits(parts, weight: torch.Tensor) -> bool:
     """Whether gemv_merged() serves linear(parts.merge(), W): one request, W in the parts' dtype."""
     mid_o = parts.mid_o
-    return (
-        mid_o.shape[0] == 1
-        and parts.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == parts.dtype
-        and weight.shape[1] == mid_o.shape[1] * mid_o.shape[3]
-        and weight.stride(-1) == 1
-        and mid_o.stride(-1) == 1
-    )
+    return (mid_o.shape[0] == 1 and parts.dtype in (torch.bfloat16, torch.float16) and weight.dtype == parts.dtype
+            and weight.shape[1] == mid_o.shape[1] * mid_o.shape[3] and weight.stride(-1) == 1
+            and mid_o.stride(-1) == 1)
 
 
-def gemv_merged(
-    parts, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: tuple[int, int] | None = None
-) -> torch.Tensor:
+def gemv_merged(parts, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """linear(parts.merge(), W, b) for a one-request split-KV decode output (kernel.SplitAttention) in one
     launch: the GEMV merges the splits as it reads its input."""
     mid_o, mid_lse = parts.mid_o, parts.mid_lse
@@ -820,60 +457,24 @@ def gemv_merged(
     block_n, block_k = tiles or _gemv_tiles(n, k)
     y = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        mid_o,
-        mid_o,
-        mid_o,
-        weight,
-        0.0,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        n,
-        weight.stride(0),
-        mid_lse,
-        parts.seq_lens,
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(1),
-        parts.num_splits,
-        K=k,
-        GATED=False,
-        NORM=False,
-        ADD=False,
-        HAS_BIAS=bias is not None,
-        MERGE=True,
-        HEAD_D=mid_o.shape[3],
-        SPLIT_N=parts.block_n,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        PDL=pdl(weight),
-        num_warps=8 if block_n * block_k >= _GEMV_TILE else 4,
-        **launch_opts(weight),
-    )
+        mid_o, mid_o, mid_o, weight, 0.0, weight, bias if bias is not None else weight, y, n, weight.stride(0),
+        mid_lse, parts.seq_lens, mid_o.stride(1), mid_o.stride(2), mid_lse.stride(1), parts.num_splits, K=k,
+        GATED=False, NORM=False, ADD=False, HAS_BIAS=bias is not None, MERGE=True, HEAD_D=mid_o.shape[3],
+        SPLIT_N=parts.block_n, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(weight),
+        num_warps=8 if block_n * block_k >= _GEMV_TILE else 4, **launch_opts(weight))
     return y
 
 
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    gated: bool = False,
-    tiles: tuple[int, int] | None = None,
-) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+         tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for one row x [1, K] and W [N, K]; gated: x is [1, 2K] = [gate | up] and
     y = silu_and_mul(x) W^T. Bandwidth-bound: W is read once. `tiles` overrides (BLOCK_N, BLOCK_K)."""
     return _gemv(x, weight, bias, gated, None, tiles)
 
 
-def gemv_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    tiles: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      tiles: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm projection of one row in one launch: h = x + residual (x if residual is None);
     returns (rms_norm(h) W^T (+ b), h), as reference.add_rms_norm_linear."""
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
