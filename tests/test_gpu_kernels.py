@@ -280,9 +280,10 @@ def _decode_batch(engine, seq_lens):
         [True] * bs,
     )
     batch.positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device="cuda")
+    # the input tokens, where decode reads them
     engine.token_pool[torch.arange(bs, device="cuda"), batch.positions] = torch.randint(
         0, 151936, (bs,), dtype=torch.int32, device="cuda"
-    )  # the input tokens, where decode reads them
+    )
     batch.out_loc = torch.tensor(out_loc, dtype=torch.int32, device="cuda")
     batch.table_idx = torch.arange(bs, dtype=torch.int32, device="cuda")
     batch.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")

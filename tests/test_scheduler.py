@@ -146,9 +146,8 @@ def test_tiny_prefill_budgets_equal_unchunked(tiny_model_dirs, budget):
 def test_overlap_on_and_off_give_identical_outputs(tiny_model_dirs, hf_reference, arch):
     vocab = TINY_SPECS[arch].config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed=30 + n) for n in (4, 25, 13, 50, 2)]
-    params = [
-        greedy(n) for n in (1, 30, 2, 17, 25)
-    ]  # 1- and 2-token requests finish while a step is in flight
+    # 1- and 2-token requests finish while a step is in flight
+    params = [greedy(n) for n in (1, 30, 2, 17, 25)]
     on, _ = run(tiny_model_dirs[arch], prompts, params, overlap=True)
     off, _ = run(tiny_model_dirs[arch], prompts, params, overlap=False)
     assert on == off

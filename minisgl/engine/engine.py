@@ -88,15 +88,11 @@ class Engine:
         )
         self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype)
         self.num_pages = self._plan_pages(attn_cfg)
+        # one page beyond num_pages: the dummy page that CUDA-graph padding writes
+        pages, kv_heads = self.num_pages + 1, attn_cfg.num_kv_heads
         self.kv_pool = KVPool(
-            cfg.num_layers,
-            self.num_pages + 1,
-            config.page_size,
-            attn_cfg.num_kv_heads,
-            cfg.head_dim,
-            self.kv_dtype,
-            self.device,
-        )  # +1: dummy page for graph padding
+            cfg.num_layers, pages, config.page_size, kv_heads, cfg.head_dim, self.kv_dtype, self.device
+        )
         rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
         self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)

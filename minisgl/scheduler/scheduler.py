@@ -54,9 +54,8 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
         self.decode = DecodeManager()
         self.reqs: dict[int, Req] = {}
-        self.stream = create_stream(
-            self.device
-        )  # the engine computes here; batches are prepared on the current stream
+        # the engine computes on this stream; batches are prepared on the current one
+        self.stream = create_stream(self.device)
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._staging = HostRing(self.device)  # pinned buffers for the per-step host -> device copy
         self._pending_outputs: list[StepOutput] = []
