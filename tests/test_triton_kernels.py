@@ -304,6 +304,20 @@ def naive_attention(q, k_cache, v_cache, page_table, rows, prefix_lens, extend_l
     return out
 
 
+def naive_over_pool(setup: PagedSetup, batch: Batch, q: torch.Tensor) -> torch.Tensor:
+    """naive_attention of q over setup's pool and page table for the requests of batch."""
+    return naive_attention(
+        q,
+        setup.pool.k(0),
+        setup.pool.v(0),
+        setup.page_table,
+        setup.rows,
+        batch.prefix_lens,
+        batch.extend_lens,
+        HEAD_DIM**-0.5,
+    )
+
+
 HEADS = [(2, 2), (4, 2), (4, 1)]  # GQA ratios 1, 2 and 4
 
 
@@ -329,16 +343,7 @@ def _run_both(setup: PagedSetup, batch: Batch, seed: int = 5, num_sms: int = 0):
     # the new K/V are in the pool now; the references read them from there
     assert torch.equal(setup.pool.k(0)[batch.out_loc.long()], k)
     assert torch.equal(setup.pool.v(0)[batch.out_loc.long()], v)
-    want = naive_attention(
-        q,
-        setup.pool.k(0),
-        setup.pool.v(0),
-        setup.page_table,
-        setup.rows,
-        batch.prefix_lens,
-        batch.extend_lens,
-        HEAD_DIM**-0.5,
-    )
+    want = naive_over_pool(setup, batch, q)
     torch_backend = TorchAttnBackend(cfg, setup.pool, setup.page_table)
     torch_backend.prepare_metadata(batch)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
@@ -419,16 +424,7 @@ def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(n
     others[rows] = False
     assert torch.equal(setup.pool.k(0)[others], k_before[others])
     assert torch.equal(setup.pool.v(0)[others], v_before[others])
-    want = naive_attention(
-        want_q,
-        setup.pool.k(0),
-        setup.pool.v(0),
-        setup.page_table,
-        setup.rows,
-        batch.prefix_lens,
-        batch.extend_lens,
-        HEAD_DIM**-0.5,
-    )
+    want = naive_over_pool(setup, batch, want_q)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
@@ -444,16 +440,7 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     q = _randn(2, 4, HEAD_DIM, seed=7)
     k, v = _randn(2, 2, HEAD_DIM, seed=8), _randn(2, 2, HEAD_DIM, seed=9)
     out = backend.forward(q, k, v, 0, batch)
-    want = naive_attention(
-        q,
-        setup.pool.k(0),
-        setup.pool.v(0),
-        setup.page_table,
-        setup.rows,
-        batch.prefix_lens,
-        batch.extend_lens,
-        HEAD_DIM**-0.5,
-    )
+    want = naive_over_pool(setup, batch, q)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 

@@ -349,8 +349,8 @@ class PrefillGraphRunner:
         """Write the batch's page-table entries, copy its inputs into the fixed buffers (padding the rest),
         replay the graph of the smallest size that holds its tokens; returns the sampled rows' logits."""
         engine = self.engine
-        rows, pos, slots = batch.pt_writes or (batch.table_idx, batch.positions, batch.out_loc)
-        engine.page_table[rows, pos] = slots
+        # a prefill batch's page-table writes, outside the graph: their count varies
+        engine.prepare_inputs(batch)
         t, n = batch.num_tokens, self.sizes[bisect.bisect_left(self.sizes, batch.num_tokens)]
         for i, src in enumerate((batch.input_ids, batch.positions, batch.out_loc)):
             self._tok[i, :t].copy_(src, non_blocking=True)
