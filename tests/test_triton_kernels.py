@@ -238,6 +238,47 @@ def test_gemv_serves_one_half_precision_row_only():
     assert not triton_ops.gemv_fits(torch.empty(1, 32, dtype=torch.bfloat16)[:, ::2], w)
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, num_warps) at K = 128: one slice of 4 blocks, 2 slices of 2, 4 slices
+# of one (split-K, the parts summed by the last program of each N block), and the default for the shape
+GEMM_CONFIGS = [(16, 16, 32, 4, 4), (16, 32, 32, 2, 4), (16, 16, 32, 1, 4), None]
+
+
+@pytest.mark.parametrize("config", GEMM_CONFIGS)
+@pytest.mark.parametrize("rows", [3, 21])  # 21 > BLOCK_M: the program loops over row blocks
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_linear(config, rows, gated, bias):
+    """float32 only: the interpreter's bf16 dot is not exact (the GPU tests cover bf16)."""
+    x = _randn(rows, 2 * 128 if gated else 128)
+    w, b = _randn(37, 128, seed=1), _randn(37, seed=2) if bias else None  # N = 37: masked tail
+    want = torch.nn.functional.linear(ref.silu_and_mul(x) if gated else x, w, b)
+    got = triton_ops.gemm(x, w, b, gated=gated, config=config)
+    _close_norm(got, want, torch.float32)
+    assert torch.equal(
+        triton_ops.gemm(x, w, b, gated=gated, config=config), got
+    )  # the parts' sum order is fixed
+
+
+def test_split_k_gemm_leaves_its_counters_at_zero():
+    x, w = _randn(5, 256), _randn(64, 256, seed=1)
+    got = triton_ops.gemm(x, w, config=(16, 16, 64, 1, 4))  # 4 slices
+    assert not triton_ops._split_counters(x.device).any()
+    _close_norm(got, torch.nn.functional.linear(x, w), torch.float32)
+
+
+def test_gemm_serves_few_half_precision_rows_of_small_weights_only():
+    w = torch.empty(64, 128, dtype=torch.bfloat16)
+    assert triton_ops.gemm_fits(torch.empty(2, 128, dtype=torch.bfloat16), w)
+    assert triton_ops.gemm_fits(torch.empty(16, 256, dtype=torch.bfloat16), w, gated=True)
+    assert not triton_ops.gemm_fits(torch.empty(1, 128, dtype=torch.bfloat16), w)  # the GEMV's
+    assert not triton_ops.gemm_fits(torch.empty(17, 128, dtype=torch.bfloat16), w)  # cuBLAS's
+    assert not triton_ops.gemm_fits(torch.empty(8, 128), w.float())
+    assert not triton_ops.gemm_fits(torch.empty(8, 96, dtype=torch.bfloat16), w[:, :96])  # K % 64
+    assert not triton_ops.gemm_fits(torch.empty(8, 256, dtype=torch.bfloat16), w)  # not [gate | up] of K
+    big = torch.empty(0, dtype=torch.bfloat16).new_empty((8193, 1024))  # 16 MiB + 2 KiB of weights
+    assert not triton_ops.gemm_fits(torch.empty(8, 1024, dtype=torch.bfloat16), big)
+
+
 def test_store_kv_writes_the_given_slots_only():
     T, H, D = 5, 2, 24
     kv = _randn(T, 2 * H * D)

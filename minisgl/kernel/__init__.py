@@ -126,6 +126,8 @@ def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ops = _triton_ops()
     if ops is not None and ops.gemv_fits(x, weight):
         return ops.gemv(x, weight, bias)
+    if ops is not None and ops.gemm_fits(x, weight):
+        return ops.gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -136,6 +138,8 @@ def silu_and_mul_linear(
     ops = _triton_ops() if _on_gpu(x) else None
     if ops is not None and ops.gemv_fits(x, weight):
         return ops.gemv(x, weight, bias, gated=True)
+    if ops is not None and ops.gemm_fits(x, weight, gated=True):
+        return ops.gemm(x, weight, bias, gated=True)
     return linear(silu_and_mul(x), weight, bias)
 
 
