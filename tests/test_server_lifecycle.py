@@ -165,6 +165,9 @@ def test_tp2_with_separate_tokenizers_equals_the_offline_path_and_sigterm_stops_
         assert not alive, f"processes left behind: {alive}"
         assert time.monotonic() - t0 < 15
         assert "All processes stopped" in service.log_text()
+        time.sleep(1)  # multiprocessing's resource tracker reports when the launcher has exited
+        assert "leaked" not in service.log_text()  # the workers unwound (e.g. tqdm's lock was released)
+        assert "did not stop" not in service.log_text()  # ... on the SIGTERM, none needed a SIGKILL
     finally:
         service.stop()
 
@@ -230,3 +233,22 @@ def test_the_offline_path_never_imports_the_service_dependencies():
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+_BLOCKED_IN_GET = """
+import signal, sys, tempfile, threading
+from minisgl.utils.zmq_queue import ZmqPullQueue
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as the service's workers do
+queue = ZmqPullQueue(f"ipc://{tempfile.mkdtemp()}/q", create=True, decoder=bytes)
+# the SIGTERM lands on another thread (as it may on ZMQ's or a tokenizer pool's): the main thread's wait
+# is not interrupted, and only returning to Python runs the handler
+threading.Timer(0.3, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGTERM)).start()
+queue.get()
+"""
+
+
+def test_a_worker_waiting_for_messages_acts_on_a_sigterm_taken_by_another_thread():
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _BLOCKED_IN_GET], check=False, capture_output=True, timeout=15)
+    assert r.returncode == 143, r.stderr
+    assert time.monotonic() - t0 < 10  # within a second of the signal, plus the interpreter's start

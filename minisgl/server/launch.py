@@ -37,6 +37,9 @@ class WorkerDied(RuntimeError):
 # ---- inside the worker processes ---------------------------------------------------------------------
 def _child_init(parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us
+    # the launcher's SIGTERM unwinds the worker, so its finalizers run: multiprocessing semaphores it
+    # created (tqdm's lock) are released, not reported as leaked when the service exits
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:  # die with the launcher, even if it is SIGKILLed
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -96,6 +99,8 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
             scheduler, args.backend_addr, args.detokenizer_addr, args.broadcast_addr, rank, args.tp
         )
         io.wait_for_ranks()  # rank 0: every other rank has subscribed
+    except SystemExit:  # stopped by the launcher
+        raise
     except BaseException as e:
         ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
@@ -109,6 +114,8 @@ def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> N
 
     try:
         tokenize_worker(ack_queue=ack_queue, **kwargs)
+    except SystemExit:  # stopped by the launcher
+        raise
     except BaseException as e:
         ack_queue.put((kwargs["worker_name"], {"error": f"{type(e).__name__}: {e}"}))
         raise

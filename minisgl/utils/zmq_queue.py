@@ -31,6 +31,17 @@ def _open(ctx: zmq.Context, kind: int, addr: str, create: bool) -> zmq.Socket:
     return sock
 
 
+def _wait(sock: zmq.Socket, timeout: float | None) -> bool:
+    """Whether a message is ready within `timeout` seconds (None: wait for one). An endless wait still
+    returns to Python every second: a process signal taken by another thread (ZMQ's, a tokenizer pool's)
+    does not interrupt this one's poll, and its Python handler (the workers' SIGTERM) runs only then."""
+    if timeout is not None:
+        return bool(sock.poll(int(timeout * 1000)))
+    while not sock.poll(1000):
+        pass
+    return True
+
+
 class ZmqPushQueue(Generic[T]):
     """Send side of a PUSH/PULL pipe."""
 
@@ -54,7 +65,7 @@ class ZmqPullQueue(Generic[T]):
 
     def get(self, timeout: float | None = None) -> T | None:
         """Block until a message arrives (or `timeout` seconds pass: then None)."""
-        if timeout is not None and not self.socket.poll(int(timeout * 1000)):
+        if not _wait(self.socket, timeout):
             return None
         return self.decoder(self.socket.recv(copy=False).buffer)
 
@@ -140,7 +151,7 @@ class ZmqSubQueue(Generic[T]):
         self.decoder = decoder
 
     def get(self, timeout: float | None = None) -> T | None:
-        if timeout is not None and not self.socket.poll(int(timeout * 1000)):
+        if not _wait(self.socket, timeout):
             return None
         return self.decoder(self.socket.recv(copy=False).buffer)
 
