@@ -482,7 +482,7 @@ def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     return _gemv(x, weight, bias, False, (norm_weight, eps, residual, h), tiles), h
 
 
-# ---- Weight-stationary GEMM (decode at 2..256 rows) --------------------------------------------------
+# ---- Weight-stationary GEMM (decode at 2..16 rows) ---------------------------------------------------
 @triton.jit
 def _gemm_rows(acc, w, x_ptr, stride_xm, offs_m, m_mask, offs_k, K, GATED: tl.constexpr):
     """acc + W[n block, k block] x[m block, k block]^T, [BLOCK_N, BLOCK_M] in float32."""
