@@ -5,7 +5,9 @@ kernel for the down projection, as the layer ran them before) against the Triton
 python -m minisgl.benchmark.gemm --model 0.6b [--rows 2,8,32,128] [--sweep]
 Each timing is a CUDA graph of back-to-back calls that cycle over enough weight copies that no weight is
 in L2 when read; prints microseconds per call and the weight bytes read per second. --sweep also times
-every tiling in SWEEP and prints the fastest, next to the default one that gemm() picks."""
+every tiling in SWEEP and prints the fastest, next to the default one that gemm() picks. The engine calls
+gemm() only for 2-16 rows and weights up to 16 MB (triton_ops.gemm_fits); the larger row counts, the LM
+head and the Qwen3-8B shapes are here to show where cuBLAS is the better choice."""
 
 from __future__ import annotations
 
