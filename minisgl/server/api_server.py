@@ -323,6 +323,26 @@ def _prompts(value: Any, param: str) -> list[Prompt]:
     return prompts
 
 
+def _fan_out(prompts: list[Prompt], s: Sampling) -> tuple[list[TokenizeMsg], list[int]]:
+    """One TokenizeMsg per (prompt, choice), prompt-major, and the prompt index of each."""
+    msgs: list[TokenizeMsg] = []
+    index: list[int] = []
+    for p, (text, ids) in enumerate(prompts):
+        for i in range(s.n):
+            msgs.append(
+                TokenizeMsg(
+                    -1,
+                    s.for_choice(i),
+                    text=text,
+                    input_ids=ids,
+                    stop=s.stop,
+                    max_tokens_auto=s.max_tokens_auto,
+                )
+            )
+            index.append(p)
+    return msgs, index
+
+
 # ---- metrics -----------------------------------------------------------------------------------------
 class Metrics:
     """Prometheus metrics: request counters and latencies measured here, gauges from the scheduler."""
@@ -942,20 +962,7 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
                 req.logprobs or 0,
             )
             frontend().metrics.requests.labels("completions").inc()
-            msgs, index = [], []
-            for p, (text, ids) in enumerate(prompts):
-                for i in range(s.n):
-                    msgs.append(
-                        TokenizeMsg(
-                            -1,
-                            s.for_choice(i),
-                            text=text,
-                            input_ids=ids,
-                            stop=s.stop,
-                            max_tokens_auto=s.max_tokens_auto,
-                        )
-                    )
-                    index.append(p)
+            msgs, index = _fan_out(prompts, s)
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
             endpoint = Endpoint(
                 "completion",
@@ -996,20 +1003,7 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
                 0,
             )
             frontend().metrics.requests.labels("generate").inc()
-            msgs, index = [], []
-            for p, (text, ids) in enumerate(prompts):
-                for i in range(s.n):
-                    msgs.append(
-                        TokenizeMsg(
-                            -1,
-                            s.for_choice(i),
-                            text=text,
-                            input_ids=ids,
-                            stop=s.stop,
-                            max_tokens_auto=s.max_tokens_auto,
-                        )
-                    )
-                    index.append(p)
+            msgs, index = _fan_out(prompts, s)
             endpoint = Endpoint("generate", args.served_model_name, f"gen-{next(_rids)}")
             return await run(request, endpoint, msgs, index, bool(req.stream), param, "max_new_tokens")
 
