@@ -212,26 +212,16 @@ class Sampling:
 
 
 def _sampling(
-    max_tokens: int | None,
-    max_tokens_param: str,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    n: int | None,
-    stop: Any,
-    stop_token_ids: list[int] | None,
-    seed: int | None,
-    ignore_eos: bool | None,
-    logprobs: bool,
-    top_logprobs: int,
-    default_temperature: float = 1.0,
+    req: _Sampling, max_tokens: int | None, max_tokens_param: str, logprobs: bool, top_logprobs: int
 ) -> Sampling:
-    """Check every field (naming the bad one) and build the SamplingParams."""
+    """Check req's sampling fields and the given token limit (naming the bad one) and build the
+    SamplingParams."""
+    temperature, top_p, top_k, n, stop = req.temperature, req.top_p, req.top_k, req.n, req.stop
     if max_tokens is not None and max_tokens < 1:
         raise APIError(
             f"'{max_tokens_param}' must be at least 1, got {max_tokens}", max_tokens_param, "invalid_value"
         )
-    temperature = default_temperature if temperature is None else temperature
+    temperature = 1.0 if temperature is None else temperature
     if not temperature >= 0:  # also rejects NaN
         raise APIError(f"'temperature' must be >= 0, got {temperature}", "temperature", "invalid_value")
     top_p = 1.0 if top_p is None else top_p
@@ -247,7 +237,7 @@ def _sampling(
         raise APIError(f"'n' must be in [1, {MAX_N}], got {n}", "n", "invalid_value")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stop_strings = [s for s in stops if isinstance(s, str) and s]
-    stop_ids = [s for s in stops if isinstance(s, int)] + list(stop_token_ids or [])
+    stop_ids = [s for s in stops if isinstance(s, int)] + list(req.stop_token_ids or [])
     if any(t < 0 for t in stop_ids):
         raise APIError("stop token ids must be >= 0", "stop", "invalid_value")
     if not 0 <= top_logprobs <= 20:
@@ -259,8 +249,8 @@ def _sampling(
         top_k=top_k,
         top_p=float(top_p),
         max_tokens=NO_LIMIT if max_tokens is None else max_tokens,
-        ignore_eos=bool(ignore_eos),
-        seed=seed,
+        ignore_eos=bool(req.ignore_eos),
+        seed=req.seed,
         stop_token_ids=stop_ids,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -896,16 +886,9 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
             if top and not req.logprobs:
                 raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
             s = _sampling(
+                req,
                 req.max_completion_tokens if use_completion else req.max_tokens,
                 "max_completion_tokens" if use_completion else "max_tokens",
-                req.temperature,
-                req.top_p,
-                req.top_k,
-                req.n,
-                req.stop,
-                req.stop_token_ids,
-                req.seed,
-                req.ignore_eos,
                 bool(req.logprobs),
                 top,
             )
@@ -947,20 +930,7 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
                 raise APIError(
                     f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value"
                 )
-            s = _sampling(
-                req.max_tokens,
-                "max_tokens",
-                req.temperature,
-                req.top_p,
-                req.top_k,
-                req.n,
-                req.stop,
-                req.stop_token_ids,
-                req.seed,
-                req.ignore_eos,
-                req.logprobs is not None,
-                req.logprobs or 0,
-            )
+            s = _sampling(req, req.max_tokens, "max_tokens", req.logprobs is not None, req.logprobs or 0)
             frontend().metrics.requests.labels("completions").inc()
             msgs, index = _fan_out(prompts, s)
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -988,20 +958,7 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
             max_new = extra.get("max_new_tokens", sp.max_tokens)
             if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)):
                 raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
-            s = _sampling(
-                max_new,
-                "max_new_tokens",
-                sp.temperature,
-                sp.top_p,
-                sp.top_k,
-                sp.n,
-                sp.stop,
-                sp.stop_token_ids,
-                sp.seed,
-                sp.ignore_eos,
-                False,
-                0,
-            )
+            s = _sampling(sp, max_new, "max_new_tokens", False, 0)
             frontend().metrics.requests.labels("generate").inc()
             msgs, index = _fan_out(prompts, s)
             endpoint = Endpoint("generate", args.served_model_name, f"gen-{next(_rids)}")
