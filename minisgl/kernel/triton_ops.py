@@ -406,12 +406,17 @@ def _gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, N, strid
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+def _half_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x is 2-D half-precision activations with unit last stride, W row-major in the same dtype."""
+    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv() serves y = x W^T: one row of half-precision activations against a row-major W.
     Measured on an H200 at Qwen3-0.6B shapes (graphs of back-to-back calls, weights not in L2): 1.1-4x
     faster than cuBLAS at one row; from two rows on cuBLAS was as fast or faster than any tile tried."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)
+    return _half_rows(x, weight) and x.shape[0] == 1
 
 
 _GEMV_TILE = 16384  # weight elements a program holds: 32 KB in half precision
@@ -582,9 +587,8 @@ def gemm_fits(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> boo
     """Whether gemm() serves y = x W^T: 2.._GEMM_MAX_ROWS rows of half-precision activations against a
     row-major W of at most _GEMM_MAX_BYTES whose K is a multiple of 64."""
     n, k = weight.shape
-    return (x.dim() == 2 and 2 <= x.shape[0] <= _GEMM_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.shape[1] == (2 * k if gated else k) and k % 64 == 0
-            and n * k * weight.element_size() <= _GEMM_MAX_BYTES and x.stride(-1) == 1 and weight.stride(-1) == 1)
+    return (_half_rows(x, weight) and 2 <= x.shape[0] <= _GEMM_MAX_ROWS and x.shape[1] == (2 * k if gated else k)
+            and k % 64 == 0 and n * k * weight.element_size() <= _GEMM_MAX_BYTES)
 
 
 def _gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
