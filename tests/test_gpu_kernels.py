@@ -160,6 +160,24 @@ def test_gemm_matches_float32_linear_at_model_shapes(n, k):
             assert torch.equal(triton_ops.gemm(x if gated else x[:, :k], w, bias, gated=gated), got)
 
 
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)])
+def test_gemm_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
+    from minisgl.kernel import reference as ref
+    from minisgl.kernel import triton_ops
+
+    torch.manual_seed(n + k)
+    w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), _randn(k)
+    for m in (2, 9, 16):
+        x, residual = _randn(m, k), _randn(m, k)
+        for res in (None, residual):
+            y, h = triton_ops.gemm_add_rms_norm(x, res, nw, 1e-6, w, b)
+            want_h = x if res is None else res + x
+            assert torch.equal(h, want_h)
+            want = torch.nn.functional.linear(ref.rms_norm(want_h, nw, 1e-6).float(), w.float(), b.float())
+            rel = ((y.float() - want).norm() / want.norm()).item()
+            assert rel < 1e-2, f"m={m} residual={res is not None}: {rel:.3g}"
+
+
 def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     from minisgl.kernel import reference as ref
     from minisgl.kernel import triton_ops

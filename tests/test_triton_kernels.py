@@ -259,6 +259,20 @@ def test_gemm_matches_linear(config, rows, gated, bias):
     )  # the parts' sum order is fixed
 
 
+@pytest.mark.parametrize("config", GEMM_CONFIGS)
+@pytest.mark.parametrize("rows", [3, 21])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemm_add_rms_norm_matches_norm_then_linear(config, rows, with_residual):
+    """h = x + residual and rms_norm(h) W^T + b in one launch, every program computing the rows' rms."""
+    x = _randn(rows, 128)
+    residual = _randn(rows, 128, seed=1) if with_residual else None
+    nw, w, b = _randn(128, seed=2), _randn(37, 128, seed=3), _randn(37, seed=4)
+    y, h = triton_ops.gemm_add_rms_norm(x, residual, nw, 1e-6, w, b, config=config)
+    want_h = x if residual is None else residual + x
+    assert torch.equal(h, want_h)
+    _close_norm(y, torch.nn.functional.linear(ref.rms_norm(want_h, nw, 1e-6), w, b), torch.float32)
+
+
 def test_split_k_gemm_leaves_its_counters_at_zero():
     x, w = _randn(5, 256), _randn(64, 256, seed=1)
     got = triton_ops.gemm(x, w, config=(16, 16, 64, 1, 4))  # 4 slices

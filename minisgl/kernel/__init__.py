@@ -161,6 +161,13 @@ def add_rms_norm_linear(
         and (residual is None or residual.is_contiguous())
     ):
         return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
+    if (
+        ops is not None
+        and ops.gemm_fits(x, weight)
+        and x.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+    ):
+        return ops.gemm_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
     if residual is None:
         normed, h = rms_norm(x, norm_weight, eps), x
     else:

@@ -489,12 +489,47 @@ def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
 # ---- Weight-stationary GEMM (decode at 2..16 rows) ---------------------------------------------------
 @triton.jit
-def _gemm_rows(acc, w, x_ptr, stride_xm, offs_m, m_mask, offs_k, K, GATED: tl.constexpr):
-    """acc + W[n block, k block] x[m block, k block]^T, [BLOCK_N, BLOCK_M] in float32."""
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+def _gemm_input(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, m_mask, offs_k, k_mask, ADD: tl.constexpr):
+    """x[m block, k block], or x + residual rounded once to x's dtype (as torch adds them)."""
+    mask = m_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _gemm_rstd(x_ptr, r_ptr, h_ptr, stride_xm, stride_rm, offs_m, m_mask, K, eps, store_h,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr):
+    """1 / rms of rows h = x (+ residual) of the m block, over all of K; with store_h also writes h."""
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        h = _gemm_input(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, m_mask, offs_k, k_mask, ADD)
+        if ADD and store_h:
+            tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], h,
+                     mask=m_mask[:, None] & k_mask[None, :])
+        hf = h.to(tl.float32)
+        sumsq += tl.sum(hf * hf, axis=1)
+    return tl.rsqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _gemm_rows(acc, w, x_ptr, r_ptr, nw_ptr, rstd, stride_xm, stride_rm, offs_m, m_mask, offs_k, K,
+               GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
+    """acc + W[n block, k block] x[m block, k block]^T, [BLOCK_N, BLOCK_M] in float32, where the input is
+    x, or silu(gate) * up (GATED), or rms_norm(x (+ residual)) rounded where reference.rms_norm rounds."""
+    k_mask = offs_k < K
+    x = _gemm_input(x_ptr, r_ptr, stride_xm, stride_rm, offs_m, m_mask, offs_k, k_mask, ADD)
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
     if GATED:
-        x = _silu_mul(x, tl.load(x_ptrs + K, mask=m_mask[:, None], other=0.0))
+        up = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + K + offs_k[None, :], mask=m_mask[:, None],
+                     other=0.0)
+        x = _silu_mul(x, up)
     return tl.dot(w, tl.trans(x.to(w.dtype)), acc)
 
 
@@ -507,16 +542,19 @@ def _gemm_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HA
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, PDL: tl.constexpr):
+def _gemm_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, eps, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                 stride_rm, stride_wn, stride_ym, GATED: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_K: tl.constexpr, PDL: tl.constexpr):
     """y = x W^T for a few rows x [M, K] (GATED: x = [gate | up], [M, 2K], and the input is silu(gate) * up).
     Program (n, s) loads its whole slice of W, rows n block by K slice s (NUM_K = 1, 2 or 4 blocks of
     BLOCK_K), before waiting for the previous kernel: under programmatic dependent launch the weights
     stream in while that kernel runs. Then it multiplies them by every BLOCK_M rows of x, transposed
     (y^T = W x^T: W's rows fill the MMA's long side). With several K slices each program writes its float32
     part to ws[s] and bumps its n block's counter; the last to arrive sums the parts in slice order (the sum
-    does not depend on who is last), writes y and resets the counter."""
+    does not depend on who is last), writes y and resets the counter.
+    NORM: the input is rms_norm(h, nw) with h = x (+ residual if ADD), as reference.add_rms_norm_linear;
+    every program computes the rows' rms over all of K itself, and with ADD program (0, 0) stores h."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -537,13 +575,22 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm
     for m0 in tl.range(0, M, BLOCK_M, num_stages=1):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:
+            store_h = (pid_n + pid_s) == 0
+            rstd = _gemm_rstd(x_ptr, r_ptr, h_ptr, stride_xm, stride_rm, offs_m, m_mask, K, eps, store_h, BLOCK_M,
+                              BLOCK_K, ADD)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc = _gemm_rows(acc, w0, x_ptr, stride_xm, offs_m, m_mask, offs_k, K, GATED)
+        acc = _gemm_rows(acc, w0, x_ptr, r_ptr, nw_ptr, rstd, stride_xm, stride_rm, offs_m, m_mask, offs_k, K, GATED,
+                         NORM, ADD)
         if NUM_K > 1:
-            acc = _gemm_rows(acc, w1, x_ptr, stride_xm, offs_m, m_mask, offs_k + BLOCK_K, K, GATED)
+            acc = _gemm_rows(acc, w1, x_ptr, r_ptr, nw_ptr, rstd, stride_xm, stride_rm, offs_m, m_mask,
+                             offs_k + BLOCK_K, K, GATED, NORM, ADD)
         if NUM_K > 2:
-            acc = _gemm_rows(acc, w2, x_ptr, stride_xm, offs_m, m_mask, offs_k + 2 * BLOCK_K, K, GATED)
-            acc = _gemm_rows(acc, w3, x_ptr, stride_xm, offs_m, m_mask, offs_k + 3 * BLOCK_K, K, GATED)
+            acc = _gemm_rows(acc, w2, x_ptr, r_ptr, nw_ptr, rstd, stride_xm, stride_rm, offs_m, m_mask,
+                             offs_k + 2 * BLOCK_K, K, GATED, NORM, ADD)
+            acc = _gemm_rows(acc, w3, x_ptr, r_ptr, nw_ptr, rstd, stride_xm, stride_rm, offs_m, m_mask,
+                             offs_k + 3 * BLOCK_K, K, GATED, NORM, ADD)
         if split == 1:
             _gemm_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, m_mask, stride_ym, HAS_BIAS)
         else:
@@ -601,10 +648,9 @@ def _gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return max(16, min(64, triton.next_power_of_2(m))), 64, block_k, k_slice // block_k, 4
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for a few rows x [M, K] and W [N, K]; gated: x is [M, 2K] = [gate | up] and
-    y = silu_and_mul(x) W^T. `config` overrides (BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, num_warps)."""
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+          norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None,
+          config: tuple[int, int, int, int, int] | None) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
     block_m, block_n, block_k, num_k, warps = config or _gemm_config(m, n, k)
@@ -618,8 +664,28 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         counters = _split_counters(x.device)
     else:
         ws = counters = y
-    _gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, ws, counters, m, n, k, x.stride(0),
-                       weight.stride(0), y.stride(0), GATED=gated, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+    norm_weight, eps, residual, h = norm or (weight, 0.0, None, y)
+    r = residual if residual is not None else x
+    _gemm_kernel[grid](x, r, h, norm_weight, eps, weight, bias if bias is not None else weight, y, ws, counters, m,
+                       n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), GATED=gated,
+                       NORM=norm is not None, ADD=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
                        BLOCK_N=block_n, BLOCK_K=block_k, NUM_K=num_k, PDL=pdl(x), num_warps=warps,
                        **launch_opts(x))
     return y
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for a few rows x [M, K] and W [N, K]; gated: x is [M, 2K] = [gate | up] and
+    y = silu_and_mul(x) W^T. `config` overrides (BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, num_warps)."""
+    return _gemm(x, weight, bias, gated, None, config)
+
+
+def gemm_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      config: tuple[int, int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm projection of a few rows in one launch: h = x + residual (x if residual is None);
+    returns (rms_norm(h) W^T (+ b), h), as reference.add_rms_norm_linear."""
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    h = torch.empty_like(x) if residual is not None else x
+    return _gemm(x, weight, bias, False, (norm_weight, eps, residual, h), config), h
