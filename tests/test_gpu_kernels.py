@@ -178,6 +178,16 @@ def test_gemm_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
             assert rel < 1e-2, f"m={m} residual={res is not None}: {rel:.3g}"
 
 
+@pytest.mark.parametrize("rows", [1, 37, 256])
+def test_argmax_equals_torch_over_a_vocabulary(rows):
+    from minisgl.kernel import triton_ops
+
+    torch.manual_seed(rows)
+    x = _randn(rows, 151936)
+    x[0, 7] = x[0, 150000] = 100.0  # a tie: the first index
+    assert torch.equal(triton_ops.argmax(x), x.argmax(dim=-1).int())
+
+
 def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     from minisgl.kernel import reference as ref
     from minisgl.kernel import triton_ops

@@ -293,6 +293,19 @@ def test_gemm_serves_few_half_precision_rows_of_small_weights_only():
     assert not triton_ops.gemm_fits(torch.empty(8, 1024, dtype=torch.bfloat16), big)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [64, 4096])  # many chunks, one chunk
+def test_argmax_gives_the_first_index_of_the_largest_value_as_torch(dtype, block):
+    x = _randn(6, 1000, dtype=dtype)
+    x[0, 10] = x[0, 990] = 50  # a tie across chunks
+    x[1, 70] = x[1, 71] = 50  # a tie inside a chunk
+    x[2] = 0  # all equal
+    x[3, 999] = 50  # the masked tail's last entry
+    got = triton_ops.argmax(x, block)
+    assert got.dtype == torch.int32 and torch.equal(got, x.argmax(dim=-1).int())
+    assert got[:4].tolist() == [10, 70, 0, 999]
+
+
 def test_store_kv_writes_the_given_slots_only():
     T, H, D = 5, 2, 24
     kv = _randn(T, 2 * H * D)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from tqdm import tqdm
 
+from minisgl import kernel
 from minisgl.core import Batch
 from minisgl.utils import init_logger
 from minisgl.utils.device import is_cuda
@@ -181,7 +182,7 @@ class GraphRunner:
         with engine.ctx.forward_batch(batch):
             hidden = engine.model()
         logits = engine.model.compute_logits(hidden)
-        tokens = logits.argmax(dim=-1).to(torch.int32)
+        tokens = kernel.argmax(logits)
         engine.token_pool[batch.table_idx, batch.positions + 1] = tokens
         return GraphOutput(hidden, logits, tokens)
 

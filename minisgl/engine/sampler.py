@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl import kernel
 from minisgl.core import Req
 
 
@@ -80,7 +81,7 @@ class Sampler:
         """logits [S, V] -> token ids [S] (int32), on the device, with no host synchronisation
         (except to draw seeded noise, one generator per seeded request)."""
         if info.all_greedy:
-            return logits.argmax(dim=-1).to(torch.int32)
+            return kernel.argmax(logits)
         probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
         if info.top_k is not None or info.top_p is not None:
             probs = _filter_probs(probs, info.top_k, info.top_p)
