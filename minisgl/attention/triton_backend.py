@@ -53,7 +53,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          PRECISION: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
                          PDL: tl.constexpr):
-    """Program (request b, KV head, split): attend the GROUP query heads of this KV head over the split's
+    """Program (KV head x split, request b): attend the GROUP query heads of this KV head over the split's
     keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
     nothing (the merge reads only the splits that hold keys). DIRECT (one split): the output itself goes
     to mid_o_ptr, in its dtype, and there is no merge.
@@ -61,9 +61,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
     NORM, Qwen3), and the split holding the new key rotates k and writes k and v into the pool row
     loc[b] before reading its keys, so no rotary or KV-store kernel runs before this one."""
     gdc_begin(PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # (KV head, split) varies fastest, so programs start request by request in batch order: the scheduler
+    # puts the longest requests first and the shortest programs fill the last wave
+    b = tl.program_id(1)
+    kv_head = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     seq_len = tl.load(seq_lens_ptr + b)
     # split lengths are whole key blocks, so only the sequence's last block needs a bounds mask
     chunk = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
@@ -386,7 +388,7 @@ class TritonAttnBackend(BaseAttnBackend):
         else:
             norm = False
             rope_args = (q, q, 0, 0, 0, 0, meta.seq_lens, meta.seq_lens, q, 0, q, q, 0.0, 0)  # unused
-        _decode_split_kernel[(bs, self.config.num_kv_heads, splits)](
+        _decode_split_kernel[(self.config.num_kv_heads * splits, bs)](
             q, k_cache, v_cache, self.page_table, meta.table_idx, meta.seq_lens, dst, lse,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             self.page_table.stride(0), dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0),

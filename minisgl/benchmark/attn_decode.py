@@ -3,7 +3,9 @@ bf16), over a pool whose slots are randomly permuted (decode tokens of many requ
 pool), for a few launch configurations.
 
 python -m minisgl.benchmark.attn_decode --batch 64 --context 1500
-Prints microseconds per layer (one layer = one store + split + merge) and the K/V bytes read per second."""
+python -m minisgl.benchmark.attn_decode --batch 256 --min-context 100 --context 2048 [--longest-first]
+(--min-context: lengths uniform in [min, context], in random order or longest first, as the scheduler
+orders decode batches.) Prints microseconds per layer (one layer = one store + split + merge) and the K/V bytes read per second."""
 
 from __future__ import annotations
 
@@ -21,19 +23,21 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 8, 128, 4
 CONFIGS = [(64, 4, (2, 2)), (64, 4, (3, 3)), (64, 4, (4, 4)), (128, 8, (3, 3)), (32, 4, (3, 3))]
 
 
-def _setup(bs: int, ctx: int, device: torch.device):
-    pool = KVPool(LAYERS, bs * ctx + 16, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
+def _setup(lens: list[int], device: torch.device):
+    bs, total = len(lens), sum(lens)
+    pool = KVPool(LAYERS, total + 16, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
     pool.k_buffer.normal_()
     pool.v_buffer.normal_()
-    max_seq = max(4096, ctx)
+    max_seq = max(4096, max(lens))
     table = torch.zeros(bs + 1, max_seq, dtype=torch.int32, device=device)
-    table[:bs, :ctx] = torch.randperm(bs * ctx, device=device).to(torch.int32).view(bs, ctx)
-    batch = Batch(
-        [Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [ctx - 1] * bs, [1] * bs, [True] * bs
-    )
+    slots = torch.randperm(total, device=device).to(torch.int32).split(lens)
+    for i, s in enumerate(slots):
+        table[i, : len(s)] = s
+    batch = Batch([Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [n - 1 for n in lens], [1] * bs,
+                  [True] * bs)
     batch.table_idx = torch.arange(bs, dtype=torch.int32, device=device)
-    batch.seq_lens_t = torch.full((bs,), ctx, dtype=torch.int32, device=device)
-    batch.out_loc = table[:bs, ctx - 1].clone()
+    batch.seq_lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    batch.out_loc = torch.stack([s[-1] for s in slots])
     return AttnConfig(HEADS, KV_HEADS, HEAD_DIM, max_seq, device, torch.bfloat16), pool, table, batch
 
 
@@ -42,13 +46,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--min-context", type=int, default=None, help="lengths uniform in [this, --context]")
+    ap.add_argument("--longest-first", action="store_true", help="order the batch by length, longest first")
     args = ap.parse_args()
     device = torch.device("cuda")
-    cfg, pool, table, batch = _setup(args.batch, args.context, device)
+    gen = torch.Generator().manual_seed(0)
+    lo = args.context if args.min_context is None else args.min_context
+    lens = torch.randint(lo, args.context + 1, (args.batch,), generator=gen).tolist()
+    if args.longest_first:
+        lens.sort(reverse=True)
+    cfg, pool, table, batch = _setup(lens, device)
     q = torch.randn(args.batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     k = torch.randn(args.batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
-    gb = args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
+    gb = sum(lens) * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
     for block_n, warps, stages in CONFIGS:
         backend = TritonAttnBackend(cfg, pool, table)
         backend.decode_block_n, backend.decode_launch = block_n, {"num_warps": warps, "num_stages": stages}
@@ -63,7 +74,7 @@ def main() -> None:
         torch.cuda.synchronize()
         us = start.elapsed_time(end) / args.repeat * 1e3
         print(
-            f"batch {args.batch} x {args.context} keys, {batch.attn_metadata.num_splits} splits, BLOCK_N {block_n}, "
+            f"batch {args.batch} x {lo}..{args.context} keys, {batch.attn_metadata.num_splits} splits, BLOCK_N {block_n}, "
             f"{warps} warps, stages {stages}: {us:.1f} us a layer ({gb / us * 1e3:.2f} TB/s of K/V)"
         )
 

@@ -224,6 +224,9 @@ class Scheduler:
                 reqs = self.decode.decodable()
             if not reqs:
                 return None
+        # longest context first: attention kernels start their programs in batch order, and a last wave
+        # of short programs leaves less of the GPU idle at the end of the step than one of random lengths
+        reqs.sort(key=lambda r: r.cached_len, reverse=True)
         positions = [r.cached_len for r in reqs]
         out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
         batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
