@@ -156,6 +156,32 @@ def test_overlap_on_and_off_give_identical_outputs(tiny_model_dirs, hf_reference
         assert_tokens_equal_hf(o, hf_reference(arch), p, what=f"{arch} overlap")
 
 
+def test_decode_batches_list_the_longest_contexts_first(tiny_model_dirs):
+    """Attention kernels start their programs in batch order, so decode batches go longest first: at
+    decode step j every request still running has prompt + j keys (hand count: all prompts are prefilled
+    in the first step, no overlap), listed in decreasing order."""
+    prompt_lens, outputs = [5, 40, 12, 27, 3, 19], [9, 4, 12, 7, 12, 2]
+    prompts = [random_prompt(n, VOCAB, seed=70 + i) for i, n in enumerate(prompt_lens)]
+    seen: list[list[int]] = []
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(overlap=False)) as llm:
+        prepare = llm.scheduler._prepare_decode
+
+        def spy():
+            batch = prepare()
+            if batch is not None:
+                seen.append(list(batch.seq_lens))
+            return batch
+
+        llm.scheduler._prepare_decode = spy
+        llm.generate(prompts, [greedy(m) for m in outputs])
+        assert_all_kv_free(llm)
+    want = [
+        sorted((p + j for p, m in zip(prompt_lens, outputs) if m > j), reverse=True)
+        for j in range(1, max(outputs))
+    ]
+    assert seen == want
+
+
 # ---- a pool too small: queueing and retraction --------------------------------------------------------
 SMALL_POOL_PROMPTS = [(30, 40), (12, 50), (45, 20), (8, 60), (25, 35), (50, 10), (3, 45), (20, 30)]
 

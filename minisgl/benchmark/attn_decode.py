@@ -33,8 +33,13 @@ def _setup(lens: list[int], device: torch.device):
     slots = torch.randperm(total, device=device).to(torch.int32).split(lens)
     for i, s in enumerate(slots):
         table[i, : len(s)] = s
-    batch = Batch([Req(i, [0], SamplingParams()) for i in range(bs)], "decode", [n - 1 for n in lens], [1] * bs,
-                  [True] * bs)
+    batch = Batch(
+        [Req(i, [0], SamplingParams()) for i in range(bs)],
+        "decode",
+        [n - 1 for n in lens],
+        [1] * bs,
+        [True] * bs,
+    )
     batch.table_idx = torch.arange(bs, dtype=torch.int32, device=device)
     batch.seq_lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
     batch.out_loc = torch.stack([s[-1] for s in slots])

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: CPU scheduling vs device kernels, on a W1-like steady state.
 
 python -m minisgl.benchmark.profile_step --model qwen3-0.6b --batch 256 --context 600
+python -m minisgl.benchmark.profile_step --batch 256 --min-context 400 --context 1400   # a spread of lengths
 Prints the wall time per step, the CPU time of scheduling / result processing, and the top device kernels
 (torch.profiler) for a few steps."""
 
@@ -21,6 +22,9 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=600)
+    ap.add_argument(
+        "--min-context", type=int, default=None, help="decode: prompt lengths uniform in [this, --context]"
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--attn", default="auto")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
@@ -74,10 +78,11 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=50))
         return
     random.seed(0)
+    lo = args.context if args.min_context is None else args.min_context
     for i in range(args.batch):
         s.add_request(
             i,
-            [random.randint(0, 10000) for _ in range(args.context)],
+            [random.randint(0, 10000) for _ in range(random.randint(lo, args.context))],
             SamplingParams(max_tokens=args.steps + 50, ignore_eos=True),
         )
     while s.prefill.waiting or s.prefill.chunked:
@@ -106,7 +111,7 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / args.steps
     print(
-        f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.2f} ms/step "
+        f"batch {args.batch}, context ~{lo}..{args.context}: {wall * 1e3:.2f} ms/step "
         f"({args.batch / wall:.0f} tok/s); CPU per step: "
         + ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in timers.items())
     )
