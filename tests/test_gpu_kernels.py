@@ -121,19 +121,25 @@ def test_gemv_matches_float32_linear_at_model_shapes(n, k):
 @pytest.mark.parametrize("n,k", GEMV_SHAPES)
 def test_gemv_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
     """The pre-norm projection of one row: h = x + residual exactly, and rms_norm(h) W^T + b."""
-    from minisgl.kernel import reference as ref
     from minisgl.kernel import triton_ops
 
     torch.manual_seed(n + k + 1)
     w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), 1 + 0.1 * _randn(k)
-    x, residual = _randn(1, k), _randn(1, k)
+    _check_add_rms_norm_linear(triton_ops.gemv_add_rms_norm, _randn(1, k), _randn(1, k), nw, w, b)
+
+
+def _check_add_rms_norm_linear(fn, x, residual, nw, w, b) -> None:
+    """fn(x, residual or None, ...) against the torch reference: h = x + residual exactly, and
+    rms_norm(h) W^T + b in float32 within 1%."""
+    from minisgl.kernel import reference as ref
+
     for res in (None, residual):
-        y, h = triton_ops.gemv_add_rms_norm(x, res, nw, 1e-6, w, b)
+        y, h = fn(x, res, nw, 1e-6, w, b)
         want_h = x if res is None else res + x
         assert torch.equal(h, want_h)
         want = torch.nn.functional.linear(ref.rms_norm(want_h, nw, 1e-6).float(), w.float(), b.float())
         rel = ((y.float() - want).norm() / want.norm()).item()
-        assert rel < 1e-2, f"residual={res is not None}: {rel:.3g}"
+        assert rel < 1e-2, f"rows={x.shape[0]} residual={res is not None}: {rel:.3g}"
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])
@@ -162,20 +168,12 @@ def test_gemm_matches_float32_linear_at_model_shapes(n, k):
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)])
 def test_gemm_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
-    from minisgl.kernel import reference as ref
     from minisgl.kernel import triton_ops
 
     torch.manual_seed(n + k)
     w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), _randn(k)
     for m in (2, 9, 16):
-        x, residual = _randn(m, k), _randn(m, k)
-        for res in (None, residual):
-            y, h = triton_ops.gemm_add_rms_norm(x, res, nw, 1e-6, w, b)
-            want_h = x if res is None else res + x
-            assert torch.equal(h, want_h)
-            want = torch.nn.functional.linear(ref.rms_norm(want_h, nw, 1e-6).float(), w.float(), b.float())
-            rel = ((y.float() - want).norm() / want.norm()).item()
-            assert rel < 1e-2, f"m={m} residual={res is not None}: {rel:.3g}"
+        _check_add_rms_norm_linear(triton_ops.gemm_add_rms_norm, _randn(m, k), _randn(m, k), nw, w, b)
 
 
 @pytest.mark.parametrize("rows", [1, 37, 256])

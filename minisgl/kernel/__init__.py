@@ -154,20 +154,11 @@ def add_rms_norm_linear(
     """A pre-norm projection: h = x + residual (x when residual is None); returns (linear(rms_norm(h)), h).
     One kernel at GPU decode sizes; elsewhere the (fused) norm, then linear."""
     ops = _triton_ops() if _on_gpu(x) else None
-    if (
-        ops is not None
-        and ops.gemv_fits(x, weight)
-        and x.is_contiguous()
-        and (residual is None or residual.is_contiguous())
-    ):
-        return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
-    if (
-        ops is not None
-        and ops.gemm_fits(x, weight)
-        and x.is_contiguous()
-        and (residual is None or residual.is_contiguous())
-    ):
-        return ops.gemm_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
+    if ops is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        if ops.gemv_fits(x, weight):
+            return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
+        if ops.gemm_fits(x, weight):
+            return ops.gemm_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
     if residual is None:
         normed, h = rms_norm(x, norm_weight, eps), x
     else:
