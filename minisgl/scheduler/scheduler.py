@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, FinishReason, Phase, Req, SamplingParams
 from minisgl.engine import Engine, ForwardOutput, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
@@ -33,7 +33,7 @@ class StepOutput:
     uid: int
     token_id: int
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
@@ -109,7 +109,7 @@ class Scheduler:
             elif req in self.decode.running:
                 self.decode.remove(req)
             self._release(req)
-        req.finished, req.finish_reason = True, "abort"
+        req.finished, req.finish_reason = True, FinishReason.ABORT
         self.reqs.pop(uid, None)
         logger.info(f"Aborted request {uid}")
         return True
@@ -165,7 +165,7 @@ class Scheduler:
         sample_mask = [
             p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)
         ]
-        batch = Batch(plan.reqs, "prefill", plan.prefix_lens, plan.extend_lens, sample_mask)
+        batch = Batch(plan.reqs, Phase.PREFILL, plan.prefix_lens, plan.extend_lens, sample_mask)
         # per-token parts as tensors (a prefill step can hold thousands of tokens)
         positions, input_ids, out_loc, pt_rows, pt_pos, pt_slots = [], [], [], [], [], []
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
@@ -229,7 +229,7 @@ class Scheduler:
         reqs.sort(key=lambda r: r.cached_len, reverse=True)
         positions = [r.cached_len for r in reqs]
         out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
-        batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
+        batch = Batch(reqs, Phase.DECODE, positions, [1] * len(reqs), [True] * len(reqs))
         for r in reqs:
             r.table_len = r.cached_len + 1
         self._to_device(batch, positions, out_loc, [p + 1 for p in positions])
@@ -313,14 +313,14 @@ class Scheduler:
                 self.reqs.pop(req.uid, None)
         return results
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
         if token in params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(req.token_ids) >= req.max_total_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     # ---- introspection ---------------------------------------------------------------------------
