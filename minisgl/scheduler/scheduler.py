@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from minisgl.core import Batch, FinishReason, Phase, Req, SamplingParams
-from minisgl.engine import Engine, ForwardOutput, SamplingInfo
+from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, create_stream, current_stream, use_stream
@@ -262,22 +262,27 @@ class Scheduler:
         """Pack the step's integers (lists or int32 tensors) into one pinned buffer, copy it to the device
         in one go, and fill in the batch's device tensors. A prefill batch also brings `prefill_parts`:
         page-table (rows, positions, slots), sample rows, logits rows and input ids. A decode batch starts
-        with its four per-request rows, equally long, so they form one [4, n] view for the graph runner;
-        its page-table writes are (table_idx, positions, out_loc) and its input ids come from the token
-        pool, both done by the engine."""
+        with its per-request rows in the decode graph's order (DECODE_INPUTS), equally long, so they form
+        one [4, n] view for the graph runner; its page-table writes are (table_idx, positions, out_loc)
+        and its input ids come from the token pool, both done by the engine."""
         table_idx = [r.table_idx for r in batch.reqs]
-        parts = [positions, out_loc, table_idx, batch.seq_lens, sample_pos, *(prefill_parts or ())]
+        rows = DECODE_INPUTS.ordered(
+            positions=positions, out_loc=out_loc, table_idx=table_idx, seq_lens_t=batch.seq_lens
+        )
+        parts = [*rows, sample_pos, *(prefill_parts or ())]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
         dev, offsets = self._staging.pack(parts)
         views = [dev[off : off + len(p)] for off, p in zip(offsets, parts)]
-        batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t, batch.sample_pos = views[:5]
+        k = len(rows)
+        DECODE_INPUTS.assign(batch, views[:k])
+        batch.sample_pos = views[k]
         if prefill_parts is None:
             n, m = batch.size, offsets[1]
-            batch.graph_inputs = dev[: 4 * m].view(4, m)[:, :n]
+            batch.graph_inputs = dev[: k * m].view(k, m)[:, :n]
             batch.sample_table_idx = batch.table_idx
         else:
-            pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[5:]
+            pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[k + 1 :]
             batch.pt_writes = (pt_rows, pt_pos, pt_slots)
             batch.logits_idx = lidx_t.long()
         sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
