@@ -91,7 +91,7 @@ class GraphDeps:
     show_progress: bool = False
 
 
-class GraphOutput(NamedTuple):
+class DecodeOutput(NamedTuple):
     """A decode graph's fixed outputs, [padded size, ...], rows in batch order."""
 
     hidden: torch.Tensor  # the final hidden states
@@ -266,7 +266,7 @@ class BaseGraphRunner(ABC, Generic[Out]):
         return self._result(batch, self.outputs[size])
 
 
-class DecodeGraphRunner(BaseGraphRunner[GraphOutput]):
+class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
     """Decode at a list of batch sizes. A graph holds the whole step but sampling: the page-table entries
     of the new tokens, reading the input tokens from the token pool, the model, the LM head, the greedy
     token (argmax) and writing it into the token pool. A batch that samples replaces the greedy tokens
@@ -325,7 +325,7 @@ class DecodeGraphRunner(BaseGraphRunner[GraphOutput]):
         batch.padded_size = bs
         return batch
 
-    def _forward(self, batch: Batch) -> GraphOutput:
+    def _forward(self, batch: Batch) -> DecodeOutput:
         deps = self.deps
         deps.prepare_inputs(batch)
         if not self.backend_hooks:
@@ -337,7 +337,7 @@ class DecodeGraphRunner(BaseGraphRunner[GraphOutput]):
         logits = deps.compute_logits(hidden)
         tokens = kernel.argmax(logits)
         deps.token_pool[batch.table_idx, batch.positions + 1] = tokens
-        return GraphOutput(hidden, logits, tokens)
+        return DecodeOutput(hidden, logits, tokens)
 
     def _prepare_capture(self, batch: Batch, size: int) -> None:
         if self.backend_hooks:
@@ -357,7 +357,7 @@ class DecodeGraphRunner(BaseGraphRunner[GraphOutput]):
         if self.backend_hooks:
             self.deps.attn_backend.prepare_for_replay(batch)
 
-    def _result(self, batch: Batch, out: GraphOutput) -> GraphOutput:
+    def _result(self, batch: Batch, out: DecodeOutput) -> DecodeOutput:
         return out  # the first batch.size rows are the batch's
 
 
