@@ -1,4 +1,5 @@
-"""The core data structures: SamplingParams, Req, Batch and the per-process Context.
+"""The core data structures: SamplingParams, Req, Batch, the per-process Context, and the Phase and
+FinishReason enums.
 
 The model's forward() takes no arguments: the batch being computed lives in the global Context and the
 layers read what they need (positions, attention metadata) from it.
@@ -10,6 +11,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +19,28 @@ import torch
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
     from minisgl.kvcache.pool import KVPool
+
+
+class Phase(str, Enum):
+    """What a batch computes. A str, so logs and messages carry the plain value."""
+
+    PREFILL = "prefill"  # prompt tokens, possibly on top of a cached prefix (chunks included)
+    DECODE = "decode"  # one new token per request
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FinishReason(str, Enum):
+    """Why a request ended. A str, so messages and JSON replies carry the OpenAI value ("stop", ...)."""
+
+    STOP = "stop"  # an EOS or stop token, or a stop string (found by the detokenizer)
+    LENGTH = "length"  # max_tokens or the maximum sequence length reached
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # failed inside the service (the reply carries the error)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -62,7 +86,8 @@ class Req:
     """One request inside the scheduler: its tokens, its request slot and how far its KV has been computed.
 
     `token_ids` holds the prompt followed by every generated token. `cached_len` tokens have their KV in the
-    pool; the tokens from `cached_len` to `device_len` are computed by the step in flight.
+    pool; the tokens from `cached_len` to `device_len` are computed by the step in flight. The first
+    `prefix_cache_len` of them are the part the prefix cache holds for it (locked through `cache_handle`).
     """
 
     uid: int
@@ -73,30 +98,17 @@ class Req:
     cached_len: int = 0  # tokens whose KV is in the pool
     device_len: int = 0  # tokens whose KV exists once the step in flight finishes
     cache_handle: Any = None  # the prefix-cache node locked for this request
-    cache_len: int = 0  # tokens covered by cache_handle (held by the prefix cache)
+    prefix_cache_len: int = 0  # tokens covered by cache_handle (their pages are held by the prefix cache)
     pages: list[int] = field(default_factory=list)  # KV pages covering positions 0.., in order
     table_len: int = 0  # positions whose slots are written in the device page table
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     max_total_len: int = 0  # prompt + max_tokens, capped by the model's maximum length
     arrival: int = 0  # admission order; the newest running request is retracted first
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
             self.prompt_len = len(self.token_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-    @property
-    def output_len(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def remain_tokens(self) -> int:
-        """Tokens this request may still generate."""
-        return max(0, self.max_total_len - len(self.token_ids))
 
 
 @dataclass(eq=False)
@@ -109,7 +121,7 @@ class Batch:
     """
 
     reqs: list[Req]
-    phase: str  # "prefill" or "decode"
+    phase: Phase  # a plain "prefill" / "decode" is accepted and converted
     prefix_lens: list[int]
     extend_lens: list[int]
     sample_mask: list[bool]
@@ -123,9 +135,8 @@ class Batch:
     # (rows, positions, slots): page-table entries the engine writes before the forward; decode's are
     # (table_idx, positions, out_loc), and its input ids are read from the token pool by the engine
     pt_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    graph_inputs: torch.Tensor | None = (
-        None  # decode: [4, batch] rows positions, out_loc, table_idx, seq_lens
-    )
+    # decode: [4, batch] int32, one row per field of engine/graph.py DecodeInputs, in its order
+    graph_inputs: torch.Tensor | None = None
     # sampling: which flat rows give logits, and where each sampled token goes in the token pool
     logits_idx: torch.Tensor | None = None  # [num_sampled] (None in decode: every row samples)
     sample_table_idx: torch.Tensor | None = None  # [num_sampled]
@@ -133,17 +144,20 @@ class Batch:
     sampling_info: Any = None  # engine/sampler.py SamplingInfo
     padded_size: int = 0  # batch size after padding for a CUDA graph (decode only)
 
+    def __post_init__(self) -> None:
+        self.phase = Phase(self.phase)
+
     @property
     def size(self) -> int:
         return len(self.reqs)
 
     @property
     def is_prefill(self) -> bool:
-        return self.phase == "prefill"
+        return self.phase is Phase.PREFILL
 
     @property
     def is_decode(self) -> bool:
-        return self.phase == "decode"
+        return self.phase is Phase.DECODE
 
     @property
     def seq_lens(self) -> list[int]:

@@ -1,5 +1,6 @@
-"""The decode graph runner: replay equals the eager forward, batches are padded to a captured size, every
-input is copied before each replay, and padding rows write nothing but the dummy KV slot.
+"""The graph runners: decode replay equals the eager forward, batches are padded to a captured size, every
+input is copied before each replay, and padding rows write nothing but the dummy KV slot; when each
+runner is off.
 
 On a CPU the graphs are emulated (their replay reads only the fixed input buffers, like a CUDA graph), with
 the torch backend (metadata recomputed from the buffers at replay) and with the Triton backend (its own
@@ -17,9 +18,9 @@ if not torch.cuda.is_available():  # must be set before Triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minisgl.attention import BaseAttnBackend
-from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine import Engine, EngineConfig, SamplingInfo
-from minisgl.engine.graph import GraphRunner, PrefillGraphRunner, capture_sizes, prefill_sizes
+from minisgl.core import Batch, Phase, Req, SamplingParams
+from minisgl.engine import DECODE_INPUTS, Engine, EngineConfig, SamplingInfo
+from minisgl.engine.graph import DecodeGraphRunner, PrefillGraphRunner, capture_sizes, prefill_sizes
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -90,7 +91,7 @@ def engine(request, model_dir):
 
 
 @pytest.fixture
-def runner(engine) -> GraphRunner:
+def runner(engine) -> DecodeGraphRunner:
     """The engine's runner, with a freshly randomised KV pool (the prefixes the requests attend to)."""
     g = torch.Generator().manual_seed(1)
     engine.kv_pool.k_buffer.copy_(torch.randn(engine.kv_pool.k_buffer.shape, generator=g).to(DEVICE))
@@ -112,7 +113,7 @@ def decode_batch(engine: Engine, rows, seq_lens, first_page: int, seed: int) -> 
         out_loc.append(int(slots[-1]))
     assert page <= NUM_PAGES, "the test must not use the dummy page"
     reqs = [Req(i, [0], SamplingParams()) for i in range(len(rows))]
-    batch = Batch(reqs, "decode", [n - 1 for n in seq_lens], [1] * len(rows), [True] * len(rows))
+    batch = Batch(reqs, Phase.DECODE, [n - 1 for n in seq_lens], [1] * len(rows), [True] * len(rows))
     batch.positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int32, device=DEVICE)
     # a decode step's input token is where the previous step left it: in the token pool
     ids = torch.randint(0, VOCAB, (len(rows),), generator=g, dtype=torch.int32).to(DEVICE)
@@ -133,7 +134,7 @@ def eager(engine: Engine, batch: Batch) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def replay(runner: GraphRunner, batch: Batch) -> torch.Tensor:
+def replay(runner: DecodeGraphRunner, batch: Batch) -> torch.Tensor:
     return runner.replay(batch).hidden.clone()
 
 
@@ -164,30 +165,53 @@ def test_prefill_sizes_double_to_1024_then_step_by_1024_up_to_the_limit():
     assert prefill_sizes(2500) == [16, 32, 64, 128, 256, 512, 1024, 2048, 2500]
 
 
+def _deps(device: str, backend=None) -> SimpleNamespace:
+    """The part of GraphDeps that deciding whether a runner is built reads."""
+    return SimpleNamespace(device=torch.device(device), attn_backend=backend)
+
+
 def test_prefill_graphs_are_off_on_a_cpu_by_default_when_disabled_and_for_backends_without_hooks():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    def create(device, backend=None, max_tokens=None, graphs_off=False):
+        return PrefillGraphRunner.create(
+            _deps(device, backend), max_tokens, 8192, max_running_req=256, graphs_off=graphs_off
+        )
 
-    def engine(device, backend=None, **kwargs):
-        return SimpleNamespace(config=EngineConfig(**kwargs), device=device, attn_backend=backend)
-
-    assert PrefillGraphRunner.create(engine(cpu)) is None
-    assert PrefillGraphRunner.create(engine(cpu, cuda_graph_max_prefill=0)) is None
-    assert PrefillGraphRunner.create(engine(cuda, cuda_graph_max_prefill=0)) is None
-    assert PrefillGraphRunner.create(engine(cuda, cuda_graph_max_bs=0)) is None  # "graphs off" means both
+    assert create("cpu") is None
+    assert create("cpu", max_tokens=0) is None
+    assert create("cuda", max_tokens=0) is None
+    assert create("cuda", graphs_off=True) is None  # cuda_graph_max_bs 0: "graphs off" means both
     no_hooks = SimpleNamespace(init_prefill_graph=BaseAttnBackend.init_prefill_graph.__get__(object()))
-    assert PrefillGraphRunner.create(engine(cuda, no_hooks)) is None  # e.g. the torch backend on a GPU
+    assert create("cuda", no_hooks) is None  # e.g. the torch backend on a GPU
 
 
 def test_graphs_are_off_when_disabled_on_a_cpu_by_default_and_for_backends_without_hooks():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert (
-        GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=None), device=cpu)) is None
-    )
-    assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=0), device=cpu)) is None
-    assert GraphRunner.create(SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=0), device=cuda)) is None
+    assert DecodeGraphRunner.create(_deps("cpu"), None, max_running_req=256) is None
+    assert DecodeGraphRunner.create(_deps("cpu"), 0, max_running_req=256) is None
+    assert DecodeGraphRunner.create(_deps("cuda"), 0, max_running_req=256) is None
     no_hooks = SimpleNamespace(init_capture_graph=BaseAttnBackend.init_capture_graph.__get__(object()))
-    engine = SimpleNamespace(config=EngineConfig(cuda_graph_max_bs=8), device=cuda, attn_backend=no_hooks)
-    assert GraphRunner.create(engine) is None  # e.g. the torch backend on a GPU
+    assert DecodeGraphRunner.create(_deps("cuda", no_hooks), 8, max_running_req=256) is None  # torch on a GPU
+
+
+def test_the_engine_passes_its_graph_options_to_the_runners(engine, monkeypatch):
+    """cuda_graph_max_bs 0 turns the prefill graphs off too; the other options reach create() as given."""
+    seen = {}
+    monkeypatch.setattr(DecodeGraphRunner, "create", lambda deps, **kw: seen.setdefault("decode", kw))
+    monkeypatch.setattr(PrefillGraphRunner, "create", lambda deps, **kw: seen.setdefault("prefill", kw))
+    saved = engine.config, engine.graph_runner, engine.prefill_graphs
+    try:
+        engine.config = EngineConfig(
+            cuda_graph_max_bs=0, cuda_graph_max_prefill=32, max_prefill_length=512, max_running_req=8
+        )
+        engine._init_graphs()
+    finally:
+        engine.config, engine.graph_runner, engine.prefill_graphs = saved
+    assert seen["decode"] == {"max_bs": 0, "max_running_req": 8}
+    assert seen["prefill"] == {
+        "max_tokens": 32,
+        "max_prefill_length": 512,
+        "max_running_req": 8,
+        "graphs_off": True,
+    }
 
 
 def test_replay_equals_eager_and_pads_to_the_captured_size(engine, runner):
@@ -231,7 +255,7 @@ def test_replay_reads_the_new_inputs_of_every_step(engine, runner):
     _close(kv_state(engine), kv_b)
 
 
-@pytest.mark.parametrize("field", range(len(GraphRunner.FIELDS)), ids=GraphRunner.FIELDS)
+@pytest.mark.parametrize("field", DECODE_INPUTS.fields)
 def test_every_input_buffer_is_read_by_the_graph(engine, runner, field):
     """Buffer discipline: each fixed input row is what the graph reads, so a row left at the previous
     step's value (batch A's, as if its copy had been skipped) makes either the hidden states or the KV
@@ -240,9 +264,8 @@ def test_every_input_buffer_is_read_by_the_graph(engine, runner, field):
     replay(runner, a)
     start = kv_state(engine)
     want_b, want_kv = eager_from(engine, b, start)
-    stale = [b.positions, b.out_loc, b.table_idx, b.seq_lens_t]
-    stale[field] = [a.positions, a.out_loc, a.table_idx, a.seq_lens_t][field]
-    b.graph_inputs = torch.stack(stale)
+    stale = {f: getattr(a if f == field else b, f) for f in DECODE_INPUTS.fields}
+    b.graph_inputs = torch.stack(DECODE_INPUTS.ordered(**stale))
     got_b = replay(runner, b)
     hidden_error = (got_b[:4] - want_b).abs().max()
     kv_error = (kv_state(engine) - want_kv).abs().max()
@@ -281,5 +304,5 @@ def test_engine_forward_batch_replays_decode_and_samples_like_eager(engine, runn
     out = engine.forward_batch(batch)
     assert calls == [3]
     assert torch.equal(out.next_tokens, want)
-    prefill = Batch(batch.reqs, "prefill", [0] * 3, [1] * 3, [True] * 3)
+    prefill = Batch(batch.reqs, Phase.PREFILL, [0] * 3, [1] * 3, [True] * 3)
     assert not runner.can_run(prefill)

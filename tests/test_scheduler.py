@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import (
     TINY_SPECS,
     assert_all_kv_free,
@@ -17,7 +18,8 @@ from conftest import (
     tiny_llm_kwargs,
 )
 
-from minisgl.core import SamplingParams
+from minisgl.core import FinishReason, Phase, SamplingParams
+from minisgl.engine import DECODE_INPUTS
 
 ARCH = "llama"
 VOCAB = TINY_SPECS[ARCH].config_kwargs["vocab_size"]
@@ -121,7 +123,7 @@ def test_chunked_prefill_equals_unchunked_and_hf(tiny_model_dirs, hf_reference):
     chunked, stats = run(tiny_model_dirs[ARCH], prompts, params, batches=batches, max_prefill_length=64)
     whole, _ = run(tiny_model_dirs[ARCH], prompts, params, max_prefill_length=4096)
     assert chunked == whole
-    prefill_steps = [lens for phase, lens in batches if phase == "prefill"]
+    prefill_steps = [lens for phase, lens in batches if phase == Phase.PREFILL]
     assert max(sum(lens) for lens in prefill_steps) <= 64
     assert len(prefill_steps) >= 1000 // 64
     assert stats["computed_prompt_tokens"] == sum(len(p) for p in prompts)
@@ -138,7 +140,7 @@ def test_tiny_prefill_budgets_equal_unchunked(tiny_model_dirs, budget):
     )
     whole, _ = run(tiny_model_dirs[ARCH], prompts, greedy(10), page_size=4)
     assert chunked == whole
-    assert all(sum(lens) <= budget for phase, lens in batches if phase == "prefill")
+    assert all(sum(lens) <= budget for phase, lens in batches if phase == Phase.PREFILL)
 
 
 # ---- overlap scheduling -----------------------------------------------------------------------------
@@ -180,6 +182,37 @@ def test_decode_batches_list_the_longest_contexts_first(tiny_model_dirs):
         for j in range(1, max(outputs))
     ]
     assert seen == want
+
+
+def test_decode_batches_pack_their_graph_inputs_in_the_graph_layout(tiny_model_dirs):
+    """A decode step's per-request rows go to the device as one [4, batch] block in the decode graph's
+    row order (DECODE_INPUTS), each row the batch field of that name; hand count of the first decode
+    step: position = prompt length, sequence length one more, longest first."""
+    prompt_lens = [5, 17, 9]
+    prompts = [random_prompt(n, VOCAB, seed=80 + i) for i, n in enumerate(prompt_lens)]
+    seen = []
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(overlap=False)) as llm:
+        prepare = llm.scheduler._prepare_decode
+
+        def spy():
+            batch = prepare()
+            if batch is not None:  # copied now: the staging buffers are reused by later steps
+                rows = [t.clone() for t in DECODE_INPUTS.of(batch)]
+                seen.append((batch.graph_inputs.clone(), rows, [r.table_idx for r in batch.reqs]))
+            return batch
+
+        llm.scheduler._prepare_decode = spy
+        llm.generate(prompts, greedy(3))
+        assert_all_kv_free(llm)
+    packed, rows, table_idx = seen[0]
+    assert packed.shape == (len(DECODE_INPUTS.fields), len(prompts))
+    for field, got, want in zip(DECODE_INPUTS.fields, packed, rows):
+        assert torch.equal(got, want), field
+    fields = dict(zip(DECODE_INPUTS.fields, rows))
+    longest_first = sorted(prompt_lens, reverse=True)
+    assert fields["positions"].tolist() == longest_first
+    assert fields["seq_lens_t"].tolist() == [n + 1 for n in longest_first]
+    assert fields["table_idx"].tolist() == table_idx
 
 
 # ---- a pool too small: queueing and retraction --------------------------------------------------------
@@ -239,7 +272,7 @@ class Driver:
     def __init__(self, llm) -> None:
         self.sched = llm.scheduler
         self.tokens: dict[int, list[int]] = {}
-        self.finish: dict[int, str] = {}
+        self.finish: dict[int, FinishReason] = {}
 
     def add(self, uid: int, prompt: list[int], params: SamplingParams) -> None:
         self.sched.add_request(uid, prompt, params)
@@ -254,7 +287,7 @@ class Driver:
 
     def abort(self, uid: int) -> None:
         assert self.sched.abort_request(uid)
-        self.finish[uid] = "abort"
+        self.finish[uid] = FinishReason.ABORT
 
     def drain(self) -> None:
         for _ in range(10_000):
@@ -285,7 +318,7 @@ def test_abort_frees_everything_at_each_stage(tiny_model_dirs, hf_reference, sta
         reported_at_abort = len(d.tokens[1])
         d.drain()
         assert len(d.tokens[1]) == reported_at_abort, "a token of the aborted request was reported"
-        assert d.finish[0] == "length" and len(d.tokens[0]) == 30
+        assert d.finish[0] == FinishReason.LENGTH and len(d.tokens[0]) == 30
         assert_tokens_equal_hf(d.tokens[0], hf_reference(ARCH), survivor, what="request beside an abort")
         assert_all_kv_free(llm)
         # the victim's pages were returned: the same prompt runs again to completion
@@ -347,7 +380,7 @@ def test_random_arrivals_and_aborts_never_leak_a_page(
                 d.step()
         d.drain()
         assert_all_kv_free(llm)
-        completed = [u for u, why in d.finish.items() if why != "abort"]
-        assert len(completed) + sum(why == "abort" for why in d.finish.values()) == uid
+        completed = [u for u, why in d.finish.items() if why != FinishReason.ABORT]
+        assert len(completed) + sum(why == FinishReason.ABORT for why in d.finish.values()) == uid
         for u in completed:
             assert_tokens_equal_hf(d.tokens[u], hf_reference(ARCH), prompts[u], what=f"request {u}")

@@ -21,6 +21,7 @@ from minisgl.utils.device import HostRing, is_cuda, pick_device, set_cpu_threads
 from minisgl.utils.hf import load_hf_config, resolve_model_path
 
 from .config import EngineConfig
+from .graph import DecodeGraphRunner, GraphDeps, PrefillGraphRunner
 from .sampler import Sampler
 
 logger = init_logger(__name__)
@@ -96,6 +97,10 @@ class Engine:
         rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
         self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
+        # graph padding reads the dummy row and writes its K/V into the first slot of the dummy page
+        self.dummy_row, self.dummy_slot = config.max_running_req, self.num_pages * config.page_size
+        self.page_table[self.dummy_row].fill_(self.dummy_slot)
+        assert self.kv_pool.num_slots > self.dummy_slot, "the pool has one page beyond num_pages"
         self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
         self.ctx = Context(page_size=config.page_size, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
         set_global_ctx(self.ctx)
@@ -156,12 +161,28 @@ class Engine:
         return num
 
     def _init_graphs(self) -> None:
-        try:
-            from .graph import GraphRunner, PrefillGraphRunner
-        except ImportError:
-            return
-        self.graph_runner = GraphRunner.create(self)
-        self.prefill_graphs = PrefillGraphRunner.create(self)
+        cfg = self.config
+        deps = GraphDeps(
+            device=self.device,
+            attn_backend=self.attn_backend,
+            prepare_inputs=self.prepare_inputs,
+            run_model=self._run_model,
+            compute_logits=self.model.compute_logits,
+            token_pool=self.token_pool,
+            dummy_row=self.dummy_row,
+            dummy_slot=self.dummy_slot,
+            show_progress=cfg.show_progress and cfg.tp_info.is_primary(),
+        )
+        self.graph_runner = DecodeGraphRunner.create(
+            deps, max_bs=cfg.cuda_graph_max_bs, max_running_req=cfg.max_running_req
+        )
+        self.prefill_graphs = PrefillGraphRunner.create(
+            deps,
+            max_tokens=cfg.cuda_graph_max_prefill,
+            max_prefill_length=cfg.max_prefill_length,
+            max_running_req=cfg.max_running_req,
+            graphs_off=cfg.cuda_graph_max_bs == 0,  # "graphs off" means decode and prefill
+        )
 
     # ---- compute ---------------------------------------------------------------------------------
     def prepare_inputs(self, batch: Batch) -> None:
@@ -190,8 +211,7 @@ class Engine:
         else:
             self.prepare_inputs(batch)
             self.attn_backend.prepare_metadata(batch)
-            with self.ctx.forward_batch(batch):
-                hidden = self.model()
+            hidden = self._run_model(batch)
             hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
             logits = self.model.compute_logits(hidden)
             next_tokens = self._sample(logits, batch)
@@ -206,6 +226,11 @@ class Engine:
                 for t in self.sampler.logprobs(logits, next_tokens, top)
             )
         return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs)
+
+    def _run_model(self, batch: Batch) -> torch.Tensor:
+        """The model's final hidden states for a batch whose inputs and attention metadata are set."""
+        with self.ctx.forward_batch(batch):
+            return self.model()
 
     def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         next_tokens = self.sampler.sample(logits, batch.sampling_info)

@@ -57,7 +57,7 @@ class CacheManager:
         limit = (len(req.token_ids) - 1) // ps * ps
         result = self.cache.match_prefix(req.token_ids[:limit])
         self.cache.lock(result.handle)
-        req.cache_handle, req.cache_len = result.handle, result.length
+        req.cache_handle, req.prefix_cache_len = result.handle, result.length
         req.pages = (result.slots[::ps] // ps).tolist()
         return result.length
 
@@ -65,29 +65,29 @@ class CacheManager:
         """Hand the page-aligned part of req's first `length` tokens to the cache; req keeps a lock."""
         ps = self.page_size
         aligned = min(length, len(req.token_ids)) // ps * ps
-        if aligned <= req.cache_len:
+        if aligned <= req.prefix_cache_len:
             return
         handle, _ = self.cache.insert(req.token_ids[:aligned], self.slots_of(req.pages, aligned))
         if handle is None:  # a cache that keeps nothing
             return
         self.cache.lock(handle)
         self.cache.unlock(req.cache_handle)
-        req.cache_handle, req.cache_len = handle, aligned
+        req.cache_handle, req.prefix_cache_len = handle, aligned
 
     def release(self, req: Req, keep: bool = True) -> None:
         """The request is done with its KV: cache what it computed (when `keep`), free the rest."""
         held: set = set()
         if keep:
             self.insert(req, req.cached_len)
-        if req.cache_len:
+        if req.prefix_cache_len:
             ps = self.page_size
             _, slots = self.cache.insert(
-                req.token_ids[: req.cache_len], self.slots_of(req.pages, req.cache_len)
+                req.token_ids[: req.prefix_cache_len], self.slots_of(req.pages, req.prefix_cache_len)
             )
             held = set((slots[::ps] // ps).tolist())
         self.cache.unlock(req.cache_handle)
         self.free([p for p in req.pages if p not in held])
-        req.pages, req.cache_handle, req.cache_len = [], None, 0
+        req.pages, req.cache_handle, req.prefix_cache_len = [], None, 0
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_integrity(self) -> str | None:

@@ -15,12 +15,6 @@ class DecodeManager:
     def remove(self, req: Req) -> None:
         self.running.remove(req)
 
-    def find(self, uid: int) -> Req | None:
-        for req in self.running:
-            if req.uid == uid:
-                return req
-        return None
-
     def decodable(self) -> list[Req]:
         """Requests whose next token is worth computing (the last one may still be in flight)."""
         return [

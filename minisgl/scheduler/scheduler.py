@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine import Engine, ForwardOutput, SamplingInfo
+from minisgl.core import Batch, FinishReason, Phase, Req, SamplingParams
+from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, create_stream, current_stream, use_stream
@@ -33,7 +33,7 @@ class StepOutput:
     uid: int
     token_id: int
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
@@ -109,7 +109,7 @@ class Scheduler:
             elif req in self.decode.running:
                 self.decode.remove(req)
             self._release(req)
-        req.finished, req.finish_reason = True, "abort"
+        req.finished, req.finish_reason = True, FinishReason.ABORT
         self.reqs.pop(uid, None)
         logger.info(f"Aborted request {uid}")
         return True
@@ -165,7 +165,7 @@ class Scheduler:
         sample_mask = [
             p + e == len(r.token_ids) for r, p, e in zip(plan.reqs, plan.prefix_lens, plan.extend_lens)
         ]
-        batch = Batch(plan.reqs, "prefill", plan.prefix_lens, plan.extend_lens, sample_mask)
+        batch = Batch(plan.reqs, Phase.PREFILL, plan.prefix_lens, plan.extend_lens, sample_mask)
         # per-token parts as tensors (a prefill step can hold thousands of tokens)
         positions, input_ids, out_loc, pt_rows, pt_pos, pt_slots = [], [], [], [], [], []
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
@@ -229,7 +229,7 @@ class Scheduler:
         reqs.sort(key=lambda r: r.cached_len, reverse=True)
         positions = [r.cached_len for r in reqs]
         out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
-        batch = Batch(reqs, "decode", positions, [1] * len(reqs), [True] * len(reqs))
+        batch = Batch(reqs, Phase.DECODE, positions, [1] * len(reqs), [True] * len(reqs))
         for r in reqs:
             r.table_len = r.cached_len + 1
         self._to_device(batch, positions, out_loc, [p + 1 for p in positions])
@@ -262,22 +262,27 @@ class Scheduler:
         """Pack the step's integers (lists or int32 tensors) into one pinned buffer, copy it to the device
         in one go, and fill in the batch's device tensors. A prefill batch also brings `prefill_parts`:
         page-table (rows, positions, slots), sample rows, logits rows and input ids. A decode batch starts
-        with its four per-request rows, equally long, so they form one [4, n] view for the graph runner;
-        its page-table writes are (table_idx, positions, out_loc) and its input ids come from the token
-        pool, both done by the engine."""
+        with its per-request rows in the decode graph's order (DECODE_INPUTS), equally long, so they form
+        one [4, n] view for the graph runner; its page-table writes are (table_idx, positions, out_loc)
+        and its input ids come from the token pool, both done by the engine."""
         table_idx = [r.table_idx for r in batch.reqs]
-        parts = [positions, out_loc, table_idx, batch.seq_lens, sample_pos, *(prefill_parts or ())]
+        rows = DECODE_INPUTS.ordered(
+            positions=positions, out_loc=out_loc, table_idx=table_idx, seq_lens_t=batch.seq_lens
+        )
+        parts = [*rows, sample_pos, *(prefill_parts or ())]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
         dev, offsets = self._staging.pack(parts)
         views = [dev[off : off + len(p)] for off, p in zip(offsets, parts)]
-        batch.positions, batch.out_loc, batch.table_idx, batch.seq_lens_t, batch.sample_pos = views[:5]
+        k = len(rows)
+        DECODE_INPUTS.assign(batch, views[:k])
+        batch.sample_pos = views[k]
         if prefill_parts is None:
             n, m = batch.size, offsets[1]
-            batch.graph_inputs = dev[: 4 * m].view(4, m)[:, :n]
+            batch.graph_inputs = dev[: k * m].view(k, m)[:, :n]
             batch.sample_table_idx = batch.table_idx
         else:
-            pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[5:]
+            pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[k + 1 :]
             batch.pt_writes = (pt_rows, pt_pos, pt_slots)
             batch.logits_idx = lidx_t.long()
         sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
@@ -313,14 +318,14 @@ class Scheduler:
                 self.reqs.pop(req.uid, None)
         return results
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
         if token in params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(req.token_ids) >= req.max_total_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     # ---- introspection ---------------------------------------------------------------------------
