@@ -27,6 +27,22 @@ def _uses_history(p: SamplingParams) -> bool:
     return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _scan(params: list[SamplingParams]) -> tuple[int, bool, bool]:
+    """(the most top logprobs wanted, or -1; whether every row is greedy; whether some row sets a penalty
+    or logit_bias), in one pass: this runs every step, and one loop costs less than three."""
+    top, greedy, penalised = -1, True, False
+    for p in params:
+        if p.logprobs and p.top_logprobs > top:
+            top = p.top_logprobs
+        if greedy and p.temperature != 0.0 and p.top_k != 1:  # not SamplingParams.is_greedy, inlined
+            greedy = False
+        if not penalised and (
+            p.logit_bias or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+        ):
+            penalised = True
+    return top, greedy, penalised
+
+
 @dataclass
 class Penalties:
     """A batch's logit_bias and history penalties as device tensors, for the rows that set them."""
@@ -146,10 +162,9 @@ class SamplingInfo:
         cls, reqs: list[Req], positions: list[int], vocab_size: int, device: torch.device
     ) -> SamplingInfo:
         params = [r.sampling_params for r in reqs]
-        want = [p.top_logprobs if p.logprobs else -1 for p in params]
-        top_logprobs = max(want) if want else -1
-        penalties = Penalties.build(reqs, positions, vocab_size, device)
-        if all(p.is_greedy for p in params):
+        top_logprobs, all_greedy, penalised = _scan(params)
+        penalties = Penalties.build(reqs, positions, vocab_size, device) if penalised else None
+        if all_greedy:
             # all_greedy: the argmax of the raw logits (inside the decode graph) is every row's token;
             # a penalised greedy row needs the argmax of its processed logits instead
             return cls(all_greedy=penalties is None, top_logprobs=top_logprobs, penalties=penalties)
