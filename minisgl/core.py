@@ -56,6 +56,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the count of the token in the output
+    presence_penalty: float = 0.0  # OpenAI: minus this once the token occurs in the output
+    repetition_penalty: float = 1.0  # vLLM/HF, over prompt + output: > 1 discourages repeats; 1 is off
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -75,10 +79,35 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.top_logprobs, int) or not (0 <= self.top_logprobs <= 20):
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            _validate_logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _validate_logit_bias(bias: Any) -> None:
+    # JSON object keys are strings: the API layer turns them into ints before they get here
+    if not isinstance(bias, dict):
+        raise ValueError(  # noqa: TRY004 - validate() raises ValueError for every bad field
+            f"logit_bias must map token ids to biases, got {type(bias).__name__}"
+        )
+    for token, value in bias.items():
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not _is_real(value) or not (-100.0 <= value <= 100.0):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
 
 
 @dataclass(eq=False)

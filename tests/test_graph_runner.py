@@ -306,3 +306,40 @@ def test_engine_forward_batch_replays_decode_and_samples_like_eager(engine, runn
     assert torch.equal(out.next_tokens, want)
     prefill = Batch(batch.reqs, Phase.PREFILL, [0] * 3, [1] * 3, [True] * 3)
     assert not runner.can_run(prefill)
+
+
+def test_a_penalised_greedy_batch_replaces_the_graphs_argmax(engine, runner):
+    """The graph writes the raw argmax; a greedy batch with logit_bias or penalties samples again from the
+    graph's logits, and its tokens (in the output and in the token pool) are the penalised argmax."""
+    seq_lens, rows = [8, 15, 2], [1, 2, 3]
+    batch = decode_batch(engine, rows=rows, seq_lens=seq_lens, first_page=0, seed=14)
+    batch.sample_table_idx, batch.sample_pos = batch.table_idx, batch.positions + 1
+    with torch.inference_mode():
+        raw = engine.model.compute_logits(eager(engine, batch))
+    top = raw.argmax(-1).tolist()
+    # row 0: bias its argmax away; row 1: its argmax generated once before (pool row 2, position 5); row 2: plain
+    engine.token_pool[2, :14] = (top[1] + 1) % VOCAB
+    engine.token_pool[2, 5] = top[1]
+    params = [
+        SamplingParams(logit_bias={top[0]: -100.0}),
+        SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=50.0),
+        SamplingParams(),
+    ]
+    reqs = [
+        Req(i, [0] * n, p, prompt_len=1, table_idx=r)
+        for i, (p, n, r) in enumerate(zip(params, seq_lens, rows))
+    ]
+    batch.reqs = reqs
+    batch.sampling_info = SamplingInfo.build(reqs, seq_lens, VOCAB, DEVICE)
+    assert not batch.sampling_info.all_greedy
+    want = raw.clone()
+    want[0, top[0]] -= 100.0
+    x = want[1, top[1]]
+    want[1, top[1]] = (x / 50.0 if x > 0 else x * 50.0) - 2.0 * 1 - 2.0
+    x = want[1, (top[1] + 1) % VOCAB]  # seen in the prompt and 12 times in the output
+    want[1, (top[1] + 1) % VOCAB] = (x / 50.0 if x > 0 else x * 50.0) - 2.0 * 12 - 2.0
+    want = want.argmax(-1).to(torch.int32)
+    assert want[0] != top[0] and want[1] != top[1] and want[2] == top[2]
+    out = engine.forward_batch(batch)
+    assert torch.equal(out.next_tokens, want)
+    assert torch.equal(engine.token_pool[batch.table_idx, batch.sample_pos], want)

@@ -104,7 +104,7 @@ class Engine:
         self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
         self.ctx = Context(page_size=config.page_size, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
         set_global_ctx(self.ctx)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, self.token_pool)
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
         self.graph_runner = self.prefill_graphs = None
         self._init_graphs()
@@ -233,6 +233,8 @@ class Engine:
             return self.model()
 
     def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if batch.is_prefill:  # its rows sample for the first time since admission: their tokens so far
+            self.sampler.load_history(batch.sampling_info)  # enter the token pool, if penalties read them
         next_tokens = self.sampler.sample(logits, batch.sampling_info)
         self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
         return next_tokens

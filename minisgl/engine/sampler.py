@@ -2,16 +2,148 @@
 
 Random draws use the exponential trick (argmax of p / E with E ~ Exp(1) is a sample from p), so a request
 with a `seed` draws its noise from its own generator keyed by (seed, position): the same seed gives the
-same tokens whatever else shares the batch."""
+same tokens whatever else shares the batch.
+
+Before any of that, as vLLM orders it: `logit_bias`, then the repetition penalty over the prompt and the
+output, then the frequency and presence penalties over the output. The token history comes from the
+engine's token pool (row = the request's page-table row, positions [0, end) its known tokens), so counts
+are built on the device every step for the penalised rows only, with nothing kept between steps: a
+request's tokens enter the pool when its first token is sampled after admission (`load_history`), and
+each step writes the token it samples. A batch whose requests set none of these pays nothing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from minisgl import kernel
-from minisgl.core import Req
+from minisgl.core import Req, SamplingParams
+
+
+def _uses_history(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _scan(params: list[SamplingParams]) -> tuple[int, bool, bool]:
+    """(the most top logprobs wanted, or -1; whether every row is greedy; whether some row sets a penalty
+    or logit_bias), in one pass: this runs every step, and one loop costs less than three."""
+    top, greedy, penalised = -1, True, False
+    for p in params:
+        if p.logprobs and p.top_logprobs > top:
+            top = p.top_logprobs
+        if greedy and p.temperature != 0.0 and p.top_k != 1:  # not SamplingParams.is_greedy, inlined
+            greedy = False
+        if not penalised and (
+            p.logit_bias or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+        ):
+            penalised = True
+    return top, greedy, penalised
+
+
+@dataclass
+class Penalties:
+    """A batch's logit_bias and history penalties as device tensors, for the rows that set them."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (batch row, token id, bias) [B]
+    rows: torch.Tensor | None = None  # [P] batch rows with a history penalty (None: no such row)
+    # [3, P] int64: token-pool row, prompt length, end (the pool row's positions [0, end) are known)
+    spans: torch.Tensor | None = None
+    max_end: int = 0
+    frequency: torch.Tensor | None = None  # [P, 1]; with presence, None when no row sets either
+    presence: torch.Tensor | None = None  # [P, 1]
+    repetition: torch.Tensor | None = None  # [P, 1], None when no row sets it
+    history: list[tuple[int, list[int], int]] | None = None  # (pool row, token ids, end), host side
+
+    @classmethod
+    def build(
+        cls, reqs: list[Req], positions: list[int], vocab_size: int, device: torch.device
+    ) -> Penalties | None:
+        """The penalties of a batch whose rows sample at `positions`, or None when no row sets any."""
+        params = [r.sampling_params for r in reqs]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        rows = [i for i, p in enumerate(params) if _uses_history(p)]
+        if not biased and not rows:
+            return None
+        pen = cls()
+        if biased:
+            pen.bias = _bias_tensors([params[i].logit_bias for i in biased], biased, vocab_size, device)
+        if rows:
+            sel = [params[i] for i in rows]
+            ends = [positions[i] for i in rows]
+            ints = [rows, [reqs[i].table_idx for i in rows], [reqs[i].prompt_len for i in rows], ends]
+            packed = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+            pen.rows, pen.spans, pen.max_end = packed[0], packed[1:], max(ends)
+            pen.history = [(reqs[i].table_idx, reqs[i].token_ids, e) for i, e in zip(rows, ends)]
+            floats = [[p.frequency_penalty, p.presence_penalty, p.repetition_penalty] for p in sel]
+            freq, pres, rep = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).T
+            if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in sel):
+                pen.frequency, pen.presence = freq[:, None], pres[:, None]
+            if any(p.repetition_penalty != 1.0 for p in sel):
+                pen.repetition = rep[:, None]
+        return pen
+
+    def load_history(self, token_pool: torch.Tensor) -> None:
+        """Write the known tokens of each penalised row into its token-pool row. Called when the rows
+        sample their first token since admission (prefill), when the host's token list is exact and the
+        pool row holds only what its earlier owners left there; one copy of the prompts per admission."""
+        if not self.history:
+            return
+        tokens = np.concatenate([np.asarray(ids[:end], dtype=np.int32) for _, ids, end in self.history])
+        ends = np.array([end for _, _, end in self.history], dtype=np.int64)
+        pool_rows = np.repeat(np.array([row for row, _, _ in self.history], dtype=np.int64), ends)
+        pos = np.arange(int(ends.sum()), dtype=np.int64) - np.repeat(np.cumsum(ends) - ends, ends)
+        dev = token_pool.device
+        index = torch.from_numpy(np.stack([pool_rows, pos])).to(dev, non_blocking=True)
+        token_pool[index[0], index[1]] = torch.from_numpy(tokens).to(dev, non_blocking=True)
+
+    def apply(self, logits: torch.Tensor, token_pool: torch.Tensor | None) -> torch.Tensor:
+        """The processed logits [S, V] float32, a new tensor: the raw ones stay for the logprobs."""
+        out = logits.to(torch.float32, copy=True)
+        if self.bias is not None:
+            rows, ids, values = self.bias
+            out.index_put_((rows, ids), values, accumulate=True)
+        if self.rows is not None:
+            assert token_pool is not None, "history penalties read the token pool"
+            out.index_copy_(0, self.rows, self._penalise(out.index_select(0, self.rows), token_pool))
+        return out
+
+    def _penalise(self, logits: torch.Tensor, token_pool: torch.Tensor) -> torch.Tensor:
+        """Repetition, frequency and presence penalties on the penalised rows' logits [P, V]."""
+        p, v = logits.shape
+        pool_row, prompt_len, end = self.spans[:, :, None]
+        hist = token_pool[pool_row[:, 0], : self.max_end].long()  # [P, max_end]
+        pos = torch.arange(self.max_end, device=logits.device)
+        known = (pos < end) & (hist < v)  # an id beyond the logits must not index out of bounds
+        # masked-out positions count into a spare column v, dropped afterwards: no boolean indexing
+        if self.repetition is not None:
+            seen = torch.zeros(p, v + 1, dtype=torch.bool, device=logits.device)
+            seen.scatter_(1, hist.masked_fill(~known, v), True)
+            scale = torch.where(seen[:, :v], self.repetition, 1.0)
+            logits = torch.where(logits > 0, logits / scale, logits * scale)
+        if self.frequency is not None:
+            output = known & (pos >= prompt_len)
+            counts = torch.zeros(p, v + 1, dtype=torch.float32, device=logits.device)
+            counts.scatter_add_(1, hist.masked_fill(~output, v), output.float())
+            counts = counts[:, :v]
+            logits = logits - self.frequency * counts - self.presence * (counts > 0)
+        return logits
+
+
+def _bias_tensors(
+    biases: list[dict[int, float]], rows: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch row, token id, bias) of every logit_bias entry. Ids outside the vocabulary are dropped
+    here so that they can never index out of bounds on the device (the API rejects them first)."""
+    lens = [len(b) for b in biases]
+    ids = np.fromiter(chain.from_iterable(biases), dtype=np.int64, count=sum(lens))
+    values = np.fromiter(chain.from_iterable(b.values() for b in biases), dtype=np.float32, count=sum(lens))
+    row_of = np.repeat(np.array(rows, dtype=np.int64), lens)
+    keep = (ids >= 0) & (ids < vocab_size)
+    index = torch.from_numpy(np.stack([row_of[keep], ids[keep]])).to(device, non_blocking=True)
+    return index[0], index[1], torch.from_numpy(values[keep]).to(device, non_blocking=True)
 
 
 @dataclass
@@ -23,16 +155,19 @@ class SamplingInfo:
     top_p: torch.Tensor | None = None  # [S], None when nobody limits
     seeded: list[tuple[int, int, int]] | None = None  # (row, seed, position)
     top_logprobs: int = -1  # -1: no logprobs; 0: only the chosen token's; k: also the top k
+    penalties: Penalties | None = None  # logit_bias and history penalties, None when no row sets any
 
     @classmethod
     def build(
         cls, reqs: list[Req], positions: list[int], vocab_size: int, device: torch.device
     ) -> SamplingInfo:
         params = [r.sampling_params for r in reqs]
-        want = [p.top_logprobs if p.logprobs else -1 for p in params]
-        top_logprobs = max(want) if want else -1
-        if all(p.is_greedy for p in params):
-            return cls(all_greedy=True, top_logprobs=top_logprobs)
+        top_logprobs, all_greedy, penalised = _scan(params)
+        penalties = Penalties.build(reqs, positions, vocab_size, device) if penalised else None
+        if all_greedy:
+            # all_greedy: the argmax of the raw logits (inside the decode graph) is every row's token;
+            # a penalised greedy row needs the argmax of its processed logits instead
+            return cls(all_greedy=penalties is None, top_logprobs=top_logprobs, penalties=penalties)
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         info = cls(
@@ -40,6 +175,7 @@ class SamplingInfo:
             greedy_mask=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
             temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True)[:, None],
             top_logprobs=top_logprobs,
+            penalties=penalties,
         )
         if any(p.top_k > 0 for p in params):
             ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
@@ -74,14 +210,28 @@ def _filter_probs(
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    """Picks each row's next token from its logits; reads token histories from the engine's token pool."""
+
+    def __init__(self, device: torch.device, token_pool: torch.Tensor | None = None) -> None:
         self.device = device
+        self.token_pool = token_pool  # [rows, max_seq_len] int32; only penalised batches read it
+
+    def load_history(self, info: SamplingInfo) -> None:
+        """For a batch whose rows sample their first token since admission (a prefill batch): put the
+        penalised rows' known tokens into the token pool, where the penalties read them."""
+        if info.penalties is not None:
+            assert self.token_pool is not None, "history penalties need the token pool"
+            info.penalties.load_history(self.token_pool)
 
     def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         """logits [S, V] -> token ids [S] (int32), on the device, with no host synchronisation
         (except to draw seeded noise, one generator per seeded request)."""
         if info.all_greedy:
             return kernel.argmax(logits)
+        if info.penalties is not None:
+            logits = info.penalties.apply(logits, self.token_pool)
+            if info.greedy_mask is None:  # every row greedy, some of them penalised or biased
+                return kernel.argmax(logits)
         probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
         if info.top_k is not None or info.top_p is not None:
             probs = _filter_probs(probs, info.top_k, info.top_p)

@@ -82,6 +82,8 @@ class Scheduler:
             )
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if len(input_ids) >= self.pool_tokens:
             raise ValueError(
                 f"the prompt has {len(input_ids)} tokens but the KV pool holds only {self.pool_tokens}"
