@@ -172,55 +172,63 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """The LLM keywords of each configuration to run, in order (every --cache-type x every --overlap); a
+    bad value exits through `parser` before any engine is built."""
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.utils import options
 
-    ap = build_parser()
-    args = ap.parse_args(argv)
     given = options.given(args, SchedulerConfig)
     caches, overlaps = given.pop("cache_type"), given.pop("overlap")
-    options.build(SchedulerConfig, given, ap)  # refuse a bad value now, before any engine is built
+    out = [dict(given, cache_type=c, overlap=o) for c in caches for o in overlaps]
+    for kw in out:
+        options.build(SchedulerConfig, kw, parser)
+    return out
 
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    configs = runs(args, ap)
     workload = get_workload(args.workload, args.num_requests)
     print(
         f"# {workload.name}: {len(workload.prompts)} requests, {workload.input_tokens} prompt tokens, "
         f"{workload.output_tokens} output tokens"
     )
-    for cache in caches:
-        for overlap in overlaps:
-            r = run_once(args, workload, dict(given, cache_type=cache, overlap=overlap))
-            tok_s = workload.output_tokens / r["seconds"]
-            where = (
-                f"model={r['arch']} {r['dtype']} on {r['device']}"
-                + (f" ({r['threads']} threads)" if r["threads"] else "")
-                + f", attn={r['attn']}, cache={cache}, overlap={overlap}"
+    for config in configs:
+        cache, overlap = config["cache_type"], config["overlap"]
+        r = run_once(args, workload, config)
+        tok_s = workload.output_tokens / r["seconds"]
+        where = (
+            f"model={r['arch']} {r['dtype']} on {r['device']}"
+            + (f" ({r['threads']} threads)" if r["threads"] else "")
+            + f", attn={r['attn']}, cache={cache}, overlap={overlap}"
+        )
+        spread = (
+            ""
+            if len(r["all_seconds"]) == 1
+            else f" (median of {len(r['all_seconds'])}: "
+            + ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+            + ")"
+        )
+        if args.workload == "w2":
+            ms = 1000 * r["seconds"] / workload.output_tokens
+            print(
+                f"{workload.name} minisgl: {ms:.2f} ms per output token, {tok_s:.1f} tok/s, "
+                f"{r['seconds']:.2f} s{spread} | {where}"
             )
-            runs = (
-                ""
-                if len(r["all_seconds"]) == 1
-                else f" (median of {len(r['all_seconds'])}: "
-                + ", ".join(f"{s:.2f}" for s in r["all_seconds"])
-                + ")"
+        elif args.workload == "shared-prefix":
+            print(
+                f"{workload.name} minisgl: prefill tokens computed {r['computed_prompt_tokens']} of "
+                f"{workload.input_tokens}, end-to-end {r['seconds']:.2f} s{spread}, {tok_s:.1f} tok/s | {where}"
             )
-            if args.workload == "w2":
-                ms = 1000 * r["seconds"] / workload.output_tokens
-                print(
-                    f"{workload.name} minisgl: {ms:.2f} ms per output token, {tok_s:.1f} tok/s, "
-                    f"{r['seconds']:.2f} s{runs} | {where}"
-                )
-            elif args.workload == "shared-prefix":
-                print(
-                    f"{workload.name} minisgl: prefill tokens computed {r['computed_prompt_tokens']} of "
-                    f"{workload.input_tokens}, end-to-end {r['seconds']:.2f} s{runs}, {tok_s:.1f} tok/s | {where}"
-                )
-            else:
-                print(
-                    f"{workload.name} minisgl: {tok_s:.1f} tok/s ({workload.output_tokens} output tokens in "
-                    f"{r['seconds']:.2f} s{runs}; max batch {r['max_batch_size']}, "
-                    f"retractions {r['retractions']}) | {where}",
-                    flush=True,
-                )
+        else:
+            print(
+                f"{workload.name} minisgl: {tok_s:.1f} tok/s ({workload.output_tokens} output tokens in "
+                f"{r['seconds']:.2f} s{spread}; max batch {r['max_batch_size']}, "
+                f"retractions {r['retractions']}) | {where}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

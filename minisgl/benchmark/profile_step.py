@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -137,13 +138,17 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
-def _make_llm(args: argparse.Namespace, **fallback) -> LLM:
-    """The profiled engine from the parsed options (a config in configs/ names the shapes); `fallback` fills
+def llm_options(args: argparse.Namespace, **fallback: Any) -> dict[str, Any]:
+    """The LLM keywords of the parsed options (a config in configs/ names the shapes); `fallback` fills
     options the command line left out."""
     from .offline import resolve_model
 
     kwargs = {**fallback, **options.given(args, SchedulerConfig)}
-    return LLM(**dict(kwargs, model_path=resolve_model(kwargs["model_path"])))
+    return dict(kwargs, model_path=resolve_model(kwargs["model_path"]))
+
+
+def _make_llm(args: argparse.Namespace, **fallback: Any) -> LLM:
+    return LLM(**llm_options(args, **fallback))
 
 
 def timeline(args: argparse.Namespace) -> None:
