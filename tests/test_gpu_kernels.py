@@ -296,7 +296,7 @@ def qwen3_engine():
         page_size=16,
         num_pages=4096,
         max_running_req=64,
-        max_seq_len=4096,
+        max_seq_len_override=4096,
         cuda_graph_max_bs=64,
         show_progress=False,
     )

@@ -73,7 +73,7 @@ def engine(request, model_dir):
         page_size=PAGE,
         num_pages=NUM_PAGES,
         max_running_req=8,
-        max_seq_len=MAX_SEQ,
+        max_seq_len_override=MAX_SEQ,
         cuda_graph_max_bs=MAX_BS,
         show_progress=False,
     )

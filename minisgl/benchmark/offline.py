@@ -12,7 +12,9 @@ output length; throughput = output tokens / wall time of the generate call, afte
   w2  1 request, 128 prompt tokens, 256 output tokens (GPU single-request latency)
   w3  32 requests, prompts and outputs of 32..256 tokens (CPU offline throughput)
   shared-prefix  64 requests = one common 512-token system prompt + 16..64 own tokens, 32 output tokens each
-Comma-separated values of --cache and --overlap run each configuration in turn (a fresh engine each).
+Comma-separated values of --cache-type (--cache) and --overlap run each configuration in turn (a fresh
+engine each). --model also takes qwen3-0.6b / qwen3-8b, shape-only configs (with --load-format dummy); the
+other flags are LLM's options (minisgl/engine/config.py, minisgl/scheduler/config.py).
 On a CPU shared with other busy processes, set OMP_WAIT_POLICY=PASSIVE (for the peer too): spinning OpenMP
 threads otherwise slow both down several times, and by different amounts."""
 
@@ -91,47 +93,17 @@ def resolve_model(model: str | None) -> str | None:
     return model
 
 
-def parse_dtype(name: str | None):
-    import torch
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name in (None, "", "auto"):
-        return None
-    if name not in dtypes:
-        raise ValueError(f"unknown dtype {name!r} (float32, bfloat16, float16, auto)")
-    return dtypes[name]
-
-
-def run_once(args: argparse.Namespace, workload: Workload, cache: str, overlap: bool) -> dict[str, Any]:
-    """Build an engine, warm it up, time `repeat` generate calls of the workload; returns the figures."""
+def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, Any]) -> dict[str, Any]:
+    """Build an engine from `options` (LLM keywords), warm it up, time `repeat` generate calls of the
+    workload; returns the figures."""
     import torch
 
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
-    kwargs: dict[str, Any] = {
-        "dtype": parse_dtype(args.dtype),
-        "load_format": args.load_format,
-        "attn": args.attn,
-        "cache_type": cache,
-        "overlap": overlap,
-        "page_size": args.page_size,
-        "max_running_req": args.max_running_req,
-        "max_prefill_length": args.max_prefill_length,
-        "show_progress": False,
-    }
-    if args.cuda_graph_max_bs is not None:
-        kwargs["cuda_graph_max_bs"] = args.cuda_graph_max_bs
-    if args.cuda_graph_max_prefill is not None:
-        kwargs["cuda_graph_max_prefill"] = args.cuda_graph_max_prefill
-    if args.num_pages is not None:
-        kwargs["num_page_override"] = args.num_pages
-    if args.max_seq_len is not None:
-        kwargs["max_seq_len_override"] = args.max_seq_len
-    if args.device is not None:
-        kwargs["device"] = args.device
+    kwargs = dict(options, model_path=resolve_model(options.get("model_path")))
     t0 = time.perf_counter()
-    llm = LLM(resolve_model(args.model), **kwargs)
+    llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
     engine = llm.scheduler.engine
     vocab = engine.model_config.vocab_size
@@ -183,72 +155,80 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The workload flags plus the engine's and the scheduler's options, as LLM takes them (--cache-type and
+    --overlap take comma-separated lists: each value runs in turn)."""
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.utils import options
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="w3", choices=["w1", "w2", "w3", "shared-prefix"])
-    ap.add_argument(
-        "--model", default=None, help="HF dir, .gguf, hub id, or qwen3-0.6b / qwen3-8b (shapes only)"
-    )
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (fp32 on CPU)")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--attn", default="auto", help="torch, triton, auto, or prefill,decode")
-    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
-    ap.add_argument("--cuda-graph-max-prefill", type=int, default=None, help="0 disables prefill graphs")
-    ap.add_argument("--overlap", default="on", help="on, off, or on,off to compare")
-    ap.add_argument("--cache", default="radix", help="radix, naive, or radix,naive to compare")
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--max-running-req", type=int, default=256)
-    ap.add_argument("--max-prefill-length", type=int, default=8192)
-    ap.add_argument("--num-pages", type=int, default=None)
-    ap.add_argument("--max-seq-len", type=int, default=None)
-    ap.add_argument("--device", default=None)
     ap.add_argument(
         "--num-requests", type=int, default=None, help="only the first N requests of the workload"
     )
     ap.add_argument("--repeat", type=int, default=1, help="timed runs; the median is reported")
-    args = ap.parse_args(argv)
+    defaults = {"overlap": "on", "show_progress": False}
+    options.add_flags(ap, SchedulerConfig, defaults=defaults, lists=("cache_type", "overlap"))
+    return ap
 
+
+def runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """The LLM keywords of each configuration to run, in order (every --cache-type x every --overlap); a
+    bad value exits through `parser` before any engine is built."""
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.utils import options
+
+    given = options.given(args, SchedulerConfig)
+    caches, overlaps = given.pop("cache_type"), given.pop("overlap")
+    out = [dict(given, cache_type=c, overlap=o) for c in caches for o in overlaps]
+    for kw in out:
+        options.build(SchedulerConfig, kw, parser)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    configs = runs(args, ap)
     workload = get_workload(args.workload, args.num_requests)
-    overlaps = [{"on": True, "off": False}[v.strip()] for v in args.overlap.split(",")]
-    caches = [c.strip() for c in args.cache.split(",")]
     print(
         f"# {workload.name}: {len(workload.prompts)} requests, {workload.input_tokens} prompt tokens, "
         f"{workload.output_tokens} output tokens"
     )
-    for cache in caches:
-        for overlap in overlaps:
-            r = run_once(args, workload, cache, overlap)
-            tok_s = workload.output_tokens / r["seconds"]
-            where = (
-                f"model={r['arch']} {r['dtype']} on {r['device']}"
-                + (f" ({r['threads']} threads)" if r["threads"] else "")
-                + f", attn={r['attn']}, cache={cache}, overlap={'on' if overlap else 'off'}"
+    for config in configs:
+        cache, overlap = config["cache_type"], config["overlap"]
+        r = run_once(args, workload, config)
+        tok_s = workload.output_tokens / r["seconds"]
+        where = (
+            f"model={r['arch']} {r['dtype']} on {r['device']}"
+            + (f" ({r['threads']} threads)" if r["threads"] else "")
+            + f", attn={r['attn']}, cache={cache}, overlap={overlap}"
+        )
+        spread = (
+            ""
+            if len(r["all_seconds"]) == 1
+            else f" (median of {len(r['all_seconds'])}: "
+            + ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+            + ")"
+        )
+        if args.workload == "w2":
+            ms = 1000 * r["seconds"] / workload.output_tokens
+            print(
+                f"{workload.name} minisgl: {ms:.2f} ms per output token, {tok_s:.1f} tok/s, "
+                f"{r['seconds']:.2f} s{spread} | {where}"
             )
-            runs = (
-                ""
-                if len(r["all_seconds"]) == 1
-                else f" (median of {len(r['all_seconds'])}: "
-                + ", ".join(f"{s:.2f}" for s in r["all_seconds"])
-                + ")"
+        elif args.workload == "shared-prefix":
+            print(
+                f"{workload.name} minisgl: prefill tokens computed {r['computed_prompt_tokens']} of "
+                f"{workload.input_tokens}, end-to-end {r['seconds']:.2f} s{spread}, {tok_s:.1f} tok/s | {where}"
             )
-            if args.workload == "w2":
-                ms = 1000 * r["seconds"] / workload.output_tokens
-                print(
-                    f"{workload.name} minisgl: {ms:.2f} ms per output token, {tok_s:.1f} tok/s, "
-                    f"{r['seconds']:.2f} s{runs} | {where}"
-                )
-            elif args.workload == "shared-prefix":
-                print(
-                    f"{workload.name} minisgl: prefill tokens computed {r['computed_prompt_tokens']} of "
-                    f"{workload.input_tokens}, end-to-end {r['seconds']:.2f} s{runs}, {tok_s:.1f} tok/s | {where}"
-                )
-            else:
-                print(
-                    f"{workload.name} minisgl: {tok_s:.1f} tok/s ({workload.output_tokens} output tokens in "
-                    f"{r['seconds']:.2f} s{runs}; max batch {r['max_batch_size']}, "
-                    f"retractions {r['retractions']}) | {where}",
-                    flush=True,
-                )
+        else:
+            print(
+                f"{workload.name} minisgl: {tok_s:.1f} tok/s ({workload.output_tokens} output tokens in "
+                f"{r['seconds']:.2f} s{spread}; max batch {r['max_batch_size']}, "
+                f"retractions {r['retractions']}) | {where}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

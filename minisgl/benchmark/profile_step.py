@@ -10,30 +10,44 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.utils import options
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The profile's flags plus the engine's and the scheduler's options, as LLM takes them."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument(
         "--min-context", type=int, default=None, help="decode: prompt lengths uniform in [this, --context]"
     )
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--attn", default="auto")
-    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--prefill", action="store_true", help="profile one prefill step instead")
     ap.add_argument("--timeline", action="store_true", help="run W1 and summarise every step instead")
+    # by default bf16 random weights of qwen3-0.6b's shapes
+    defaults = {
+        "model_path": "qwen3-0.6b",
+        "dtype": "bfloat16",
+        "load_format": "dummy",
+        "show_progress": False,
+    }
+    options.add_flags(ap, SchedulerConfig, defaults=defaults)
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
     if args.timeline:
         return timeline(args)
-    llm = _make_llm(args, max_running_req=max(args.batch, 1))
+    llm = _make_llm(args, max_running_req=max(args.batch, 1))  # unless --max-running-req says otherwise
     s = llm.scheduler
     random.seed(0)
     if args.prefill:  # profile the first prefill step (after a warm-up request)
@@ -124,19 +138,17 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
-def _make_llm(args: argparse.Namespace, **extra) -> LLM:
-    """The profiled engine: bf16 random weights of the named shapes (a config in configs/ or a path)."""
+def llm_options(args: argparse.Namespace, **fallback: Any) -> dict[str, Any]:
+    """The LLM keywords of the parsed options (a config in configs/ names the shapes); `fallback` fills
+    options the command line left out."""
     from .offline import resolve_model
 
-    return LLM(
-        resolve_model(args.model),
-        dtype=torch.bfloat16,
-        load_format="dummy",
-        attn=args.attn,
-        show_progress=False,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        **extra,
-    )
+    kwargs = {**fallback, **options.given(args, SchedulerConfig)}
+    return dict(kwargs, model_path=resolve_model(kwargs["model_path"]))
+
+
+def _make_llm(args: argparse.Namespace, **fallback: Any) -> LLM:
+    return LLM(**llm_options(args, **fallback))
 
 
 def timeline(args: argparse.Namespace) -> None:

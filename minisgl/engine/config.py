@@ -1,4 +1,9 @@
-"""EngineConfig: everything the Engine needs to build the model, the KV pool and the backends."""
+"""EngineConfig: everything the Engine needs to build the model, the KV pool and the backends.
+
+The root of the option chain `EngineConfig <- SchedulerConfig <- ServerArgs`: each option is one field here
+or in a subclass, and `python -m minisgl`'s flags, `LLM(**kw)` and the benchmark CLIs are derived from the
+fields (minisgl/utils/options.py). Adding an option means adding one field and using it.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,73 @@ from dataclasses import dataclass, field
 import torch
 
 from minisgl.distributed import DistributedInfo
+from minisgl.utils.options import check, option
+
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    return _DTYPES[name]
 
 
 @dataclass
 class EngineConfig:
-    model_path: str | None = None  # HF dir, hub id, .gguf file; None: the embedded default model
-    dtype: torch.dtype | None = None  # None: float32 on a CPU, the checkpoint's dtype (or bf16) on a GPU
-    device: str | None = None  # None: cuda when available, else cpu
+    """The engine's options (model, precision, KV pool, graphs) and the rank it runs as."""
+
+    model_path: str | None = option(
+        None,
+        help="a Hugging Face model directory, a hub id or a .gguf file (default: the embedded model)",
+        aliases=["model"],
+        metavar="PATH",
+    )
+    dtype: torch.dtype | None = option(  # noqa: RUF009 (an option field, like dataclasses.field)
+        None,
+        help="auto (the default): float32 on a CPU, the checkpoint's dtype (or bfloat16) on a GPU",
+        choices=list(_DTYPES),
+        parse=_dtype,
+    )
+    device: str | None = option(None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    attn: str = option("auto", help="attention backend (auto, torch, triton, ...; or prefill,decode)")
+    load_format: str = option(
+        "auto", help="dummy: random weights with the real shapes", choices=["auto", "safetensors", "dummy"]
+    )
+    page_size: int = option(1, help="tokens per KV page", min=1)
+    num_pages: int | None = option(
+        None, help="KV pool size in pages (default: from memory)", min=1, aliases=["num_page_override"]
+    )
+    max_seq_len_override: int | None = option(
+        None,
+        help="context length (default: the model's max_position_embeddings)",
+        min=1,
+        aliases=["max_seq_len"],
+    )
+    max_running_req: int = option(
+        256,
+        help="request slots, the most requests running at once (default 256; 1 with --shell)",
+        min=1,
+        aliases=["max_running_requests"],
+    )
+    max_prefill_length: int = option(
+        8192, help="token budget of one prefill step; longer prompts are chunked", min=1
+    )
+    cuda_graph_max_bs: int | None = option(
+        None, help="largest captured decode batch (default: automatic); 0: off", min=0
+    )
+    cuda_graph_max_prefill: int | None = option(
+        None,
+        help="largest captured prefill step in tokens (default: min(8192, --max-prefill-length) on a GPU "
+        "while decode graphs are on); 0: off",
+        min=0,
+    )
+    mem_fraction: float = option(
+        0.88, help="of total device memory the engine may use (weights + KV + graphs)"
+    )
+    cpu_kv_cache_bytes: int = option(1 << 30, help="KV pool size on a CPU when --num-pages is not given")
+    show_progress: bool = option(True, help="log weight loading and graph capture progress")
+    seed: int = option(0, help="torch's seed at start-up (dummy weights, unseeded sampling)")
+    # set by the launcher per process, not options
     tp_info: DistributedInfo = field(default_factory=DistributedInfo)
     dist_init_method: str = "tcp://127.0.0.1:29517"
-    max_running_req: int = 256
-    page_size: int = 1
-    num_pages: int | None = None  # None: sized from memory
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings
-    attn: str = "auto"
-    load_format: str = "auto"  # auto (safetensors) | dummy (random weights, real shapes)
-    cuda_graph_max_bs: int | None = None  # None: automatic; 0 disables CUDA graphs
-    cuda_graph_max_prefill: int | None = None  # tokens; None: automatic (GPU, decode graphs on); 0: off
-    max_prefill_length: int = 8192  # the scheduler's token budget of a prefill step (set by the scheduler)
-    mem_fraction: float = 0.88  # of total device memory the engine may use (weights + KV + graphs)
-    cpu_kv_cache_bytes: int = 1 << 30  # KV pool size on a CPU when num_pages is not given
-    show_progress: bool = True
-    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(self)  # every option of the chain, the subclasses' too

@@ -124,8 +124,8 @@ class Engine:
             and "Mistral" in self.model_config.architecture
         ):
             limit = min(limit, window)  # no sliding-window attention: stay within the window
-        if self.config.max_seq_len:
-            limit = min(limit, self.config.max_seq_len)
+        if self.config.max_seq_len_override:
+            limit = min(limit, self.config.max_seq_len_override)
         return limit
 
     def _load_weights(self) -> None:

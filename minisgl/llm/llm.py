@@ -7,13 +7,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from minisgl.core import SamplingParams
-from minisgl.engine.config import EngineConfig
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.utils import init_logger
 from minisgl.utils.hf import load_tokenizer
+from minisgl.utils.options import build
 
 logger = init_logger(__name__)
 
@@ -23,54 +21,12 @@ Prompt = str | list[int]
 class LLM:
     """Load a model once, then generate for batches of prompts (continuous batching inside)."""
 
-    def __init__(
-        self,
-        model_path: str | None = None,
-        dtype: torch.dtype | None = None,
-        max_running_req: int = 256,
-        num_page_override: int | None = None,
-        max_seq_len_override: int | None = None,
-        page_size: int = 1,
-        load_format: str = "auto",
-        attn: str = "auto",
-        cache_type: str = "radix",
-        max_prefill_length: int = 8192,
-        cuda_graph_max_bs: int | None = None,
-        overlap: bool | None = None,
-        reserve_ratio: float = 1.0,
-        device: str | None = None,
-        show_progress: bool = True,
-        **engine_kwargs: Any,
-    ) -> None:
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if max_prefill_length < 1:
-            raise ValueError(f"max_prefill_length must be >= 1, got {max_prefill_length}")
-        engine = EngineConfig(
-            model_path=model_path,
-            dtype=dtype,
-            device=device,
-            max_running_req=max_running_req,
-            page_size=page_size,
-            num_pages=num_page_override,
-            max_seq_len=max_seq_len_override,
-            attn=attn,
-            load_format=load_format,
-            cuda_graph_max_bs=cuda_graph_max_bs,
-            show_progress=show_progress,
-            **engine_kwargs,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                engine=engine,
-                cache_type=cache_type,
-                max_prefill_length=max_prefill_length,
-                overlap=overlap,
-                reserve_ratio=reserve_ratio,
-            )
-        )
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        """`options` are the fields of SchedulerConfig and EngineConfig, by name or alias (e.g.
+        `max_running_req=8, num_page_override=2048, max_seq_len_override=512, dtype="float32"`); an unknown
+        keyword is a TypeError naming it, a value out of range a ValueError naming the field."""
+        given = options if model_path is None else {"model_path": model_path, **options}
+        self.scheduler = Scheduler(build(SchedulerConfig, given))
         model_dir = self.scheduler.engine.model_dir
         has_tokenizer = any(
             os.path.exists(os.path.join(model_dir, f))

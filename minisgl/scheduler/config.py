@@ -1,19 +1,30 @@
-"""SchedulerConfig: the engine's config plus the scheduling policy."""
+"""SchedulerConfig: the engine's options plus the scheduling policy (one flat set of fields, one name each)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from minisgl.engine.config import EngineConfig
+from minisgl.utils.options import option
+
+
+def _on_off(text: str) -> bool:
+    return text == "on"
 
 
 @dataclass
-class SchedulerConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    cache_type: str = "radix"  # naive | radix
-    max_prefill_length: int = 8192  # token budget of one prefill step (the chunk size)
-    overlap: bool | None = None  # None: on unless MINISGL_DISABLE_OVERLAP_SCHEDULING=1
-    # Fraction of each request's possible decode tokens reserved at admission. 1.0 never retracts;
-    # lower admits more requests and relies on retraction when decode runs out of pages.
-    reserve_ratio: float = 1.0
-    extra_eos_token_ids: list[int] = field(default_factory=list)
+class SchedulerConfig(EngineConfig):
+    """What the Scheduler needs: the engine's options (inherited) and its own."""
+
+    cache_type: str = option("radix", help="prefix cache: radix or naive", aliases=["cache"])
+    overlap: bool | None = option(
+        None,
+        help="overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP_SCHEDULING=1)",
+        choices=["on", "off"],
+        parse=_on_off,
+    )
+    # 1.0 never retracts; lower admits more requests and relies on retraction when decode runs out of pages
+    reserve_ratio: float = option(
+        1.0, help="fraction of each request's possible decode tokens reserved at admission"
+    )
+    extra_eos_token_ids: list[int] = field(default_factory=list)  # the launcher adds the tokenizer's EOS

@@ -7,7 +7,6 @@ meantime is discarded, never reported."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,15 +40,14 @@ class StepOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        # the engine captures prefill graphs up to the prefill token budget
-        self.engine = Engine(dataclasses.replace(config.engine, max_prefill_length=config.max_prefill_length))
+        self.engine = Engine(config)  # a SchedulerConfig is an EngineConfig plus the scheduling options
         self.device = self.engine.device
-        self.page_size = config.engine.page_size
+        self.page_size = config.page_size
         self.max_seq_len = self.engine.max_seq_len
         self.vocab_size = self.engine.model_config.vocab_size
         self.eos_token_ids = set(self.engine.model_config.eos_token_ids) | set(config.extra_eos_token_ids)
         self.overlap = (not ENV.disable_overlap_scheduling) if config.overlap is None else config.overlap
-        self.table = TableManager(config.engine.max_running_req)
+        self.table = TableManager(config.max_running_req)
         self.cache = CacheManager(self.engine.num_pages, self.page_size, config.cache_type)
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
         self.decode = DecodeManager()

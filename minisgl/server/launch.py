@@ -48,30 +48,10 @@ def _child_init(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _scheduler_config(args: ServerArgs, rank: int) -> Any:
-    import torch
-
+def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
     from minisgl.distributed import DistributedInfo
-    from minisgl.engine import EngineConfig
-    from minisgl.scheduler import SchedulerConfig
     from minisgl.utils.hf import load_tokenizer
 
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    engine = EngineConfig(
-        model_path=args.model_path,
-        dtype=dtype,
-        tp_info=DistributedInfo(rank, args.tp),
-        dist_init_method=args.dist_init_method,
-        max_running_req=args.max_running_requests,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_seq_len=args.max_seq_len_override,
-        attn=args.attn,
-        load_format=args.load_format,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        cuda_graph_max_prefill=args.cuda_graph_max_prefill,
-        show_progress=rank == 0,
-    )
     eos: list[int] = []
     if any(
         os.path.exists(os.path.join(args.model_path, f))
@@ -79,10 +59,11 @@ def _scheduler_config(args: ServerArgs, rank: int) -> Any:
     ):
         eos_id = load_tokenizer(args.model_path).eos_token_id  # e.g. <|im_end|> ends a chat turn
         eos = [int(eos_id)] if eos_id is not None else []
-    return SchedulerConfig(
-        engine=engine,
-        cache_type=args.cache,
-        max_prefill_length=args.max_prefill_length,
+    # ServerArgs is a SchedulerConfig: only what differs per rank is filled in here
+    return replace(
+        args,
+        tp_info=DistributedInfo(rank, args.tp),
+        show_progress=args.show_progress and rank == 0,
         extra_eos_token_ids=eos,
     )
 
@@ -306,7 +287,8 @@ def launch(args: ServerArgs) -> int:
     try:
         from minisgl.utils.hf import resolve_model_path
 
-        args = replace(args, model_path=resolve_model_path(args.model))  # once: a .gguf is converted here
+        # once: a .gguf is converted here
+        args = replace(args, model_path=resolve_model_path(args.model_path))
     except ValueError as e:
         logger.error(f"{e}")
         return 2
