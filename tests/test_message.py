@@ -29,7 +29,7 @@ from minisgl.message import (
     loads,
 )
 
-zmq_queue = pytest.importorskip("minisgl.utils.zmq_queue")
+zmq_queue = pytest.importorskip("minisgl.service.zmq_queue")
 
 
 def _addr(name: str) -> str:
@@ -172,7 +172,7 @@ def test_async_queues_round_trip():
 
 def _subscriber(addr: str, out: mp.Queue) -> None:
     from minisgl.message import loads as _loads
-    from minisgl.utils.zmq_queue import ZmqSubQueue
+    from minisgl.service.zmq_queue import ZmqSubQueue
 
     time.sleep(0.5)  # join late: a plain PUB would already have dropped the first message
     sub = ZmqSubQueue(addr, decoder=_loads)

@@ -24,12 +24,11 @@ from minisgl.message import (
     dumps,
     loads,
 )
+from minisgl.tokenizer import DetokenizeManager, TokenizeManager
 from minisgl.utils import init_logger
 from minisgl.utils.hf import load_tokenizer
-from minisgl.utils.zmq_queue import ZmqPullQueue, ZmqPushQueue
 
-from .detokenize import DetokenizeManager
-from .tokenize import TokenizeManager
+from .zmq_queue import ZmqPullQueue, ZmqPushQueue
 
 ROLES = ("both", "tokenizer", "detokenizer")
 

@@ -40,9 +40,9 @@ from minisgl.message import (
     loads,
 )
 from minisgl.utils import init_logger
-from minisgl.utils.zmq_queue import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 from .args import ServerArgs
+from .zmq_queue import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = init_logger(__name__, "api")
 

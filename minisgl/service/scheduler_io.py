@@ -23,10 +23,10 @@ from minisgl.message import (
     dumps,
     loads,
 )
+from minisgl.scheduler import Scheduler
 from minisgl.utils import init_logger
-from minisgl.utils.zmq_queue import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
 
-from .scheduler import Scheduler
+from .zmq_queue import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
 
 logger = init_logger(__name__)
 
