@@ -273,7 +273,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
     import uvicorn  # imported while the workers load
 
-    from .api_server import create_app
+    from .openai import create_app
 
     ready = service.wait_ready()
     max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))

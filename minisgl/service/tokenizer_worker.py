@@ -91,9 +91,14 @@ class TokenizerWorker:
             input_ids = self.tokenize_mgr.tokenize(msg)
             if not input_ids:
                 raise ValueError("the prompt is empty after tokenization")
+            ids = torch.tensor(input_ids, dtype=torch.int32)  # raises for ids beyond int32
         except Exception as e:  # noqa: BLE001 - a bad prompt must not take the worker down, only fail itself
             error = DetokenizeMsg(
-                msg.uid, finished=True, finish_reason="error", error=f"cannot tokenize: {e}"
+                msg.uid,
+                finished=True,
+                finish_reason="error",
+                error=f"cannot tokenize: {e}",
+                error_param="prompt",
             )
             if self.send_detokenizer is not None:
                 self.send_detokenizer.put(BatchDetokenizeMsg([error]))
@@ -115,7 +120,7 @@ class TokenizerWorker:
         self.send_backend.put(
             UserMsg(
                 uid=msg.uid,
-                input_ids=torch.tensor(input_ids, dtype=torch.int32),
+                input_ids=ids,
                 sampling_params=msg.sampling_params,
                 max_tokens_auto=msg.max_tokens_auto,
             )
