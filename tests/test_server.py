@@ -438,13 +438,15 @@ SAME_ANSWER = [  # (SamplingParams fields, also sent as the HTTP body's fields; 
 ]
 
 
+@pytest.fixture(scope="class")
+def offline():
+    """The offline LLM, for one class of tests (it is freed when the class is done)."""
+    with offline_llm() as llm:
+        yield llm
+
+
 class TestTheOfflinePathAndTheServiceAgree:
     """One set of rules: the same bad request gets the same message and field from LLM.generate and HTTP."""
-
-    @pytest.fixture(scope="class")
-    def offline(self):
-        with offline_llm() as llm:
-            yield llm
 
     @staticmethod
     def offline_error(llm, ids, fields) -> InvalidRequest:
@@ -495,6 +497,19 @@ class TestTheOfflinePathAndTheServiceAgree:
         _assert_openai_error(r, param, "invalid_value")
         if path == "/generate":
             assert r.json()["error"]["message"] == expected.message
+
+
+def test_each_of_n_choices_keeps_every_sampling_field_but_its_seed():
+    """for_choice copies SamplingParams whole: a new field is never lost for n > 1."""
+    import dataclasses
+
+    from minisgl.service.openai.params import Sampling
+
+    params = SamplingParams(0.5, 7, 0.9, 33, True, 100, [4, 5], True, 3)
+    for i, choice in enumerate(Sampling(params, [], 3).for_choice(i) for i in range(3)):
+        assert choice.seed == 100 + i
+        assert dataclasses.replace(choice, seed=100) == params
+        assert choice.stop_token_ids is not params.stop_token_ids
 
 
 def test_openai_client_sees_a_bad_request_error(client):
