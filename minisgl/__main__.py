@@ -6,7 +6,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minisgl.server.launch import main as launch_main
+    from minisgl.service.launch import main as launch_main
 
     return launch_main(argv)
 

@@ -43,14 +43,34 @@ class FinishReason(str, Enum):
         return self.value
 
 
+class InvalidRequest(ValueError):
+    """A request its client can fix. `param` is the offending field by its generic name (`max_tokens`,
+    `temperature`, `top_p`, `top_k`, `seed`, `top_logprobs`, `stop_token_ids`, `prompt`); the message
+    quotes that name as `'max_tokens'`, so an API can show the field under its own name (`renamed`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+    @staticmethod
+    def renamed(message: str, param: str | None, name: str | None) -> str:
+        """`message` with the quoted generic field name replaced by `name` (an endpoint's spelling)."""
+        if param is None or name is None or name == param:
+            return message
+        return message.replace(f"'{param}'", f"'{name}'")
+
+
 @dataclass
 class SamplingParams:
-    """How to pick the next token and when to stop. temperature 0 means greedy."""
+    """How to pick the next token and when to stop. temperature 0 means greedy.
+
+    `max_tokens=None` generates up to the context: as many tokens as the model's maximum sequence length
+    leaves after the prompt. An explicit `max_tokens` that does not fit beside the prompt is rejected."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1: no limit
     top_p: float = 1.0
-    max_tokens: int = 1024
+    max_tokens: int | None = 1024  # None: up to the context
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -62,29 +82,33 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if (
-            not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        """Raise InvalidRequest naming the offending field."""
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise InvalidRequest(f"'max_tokens' must be at least 1, got {self.max_tokens!r}", "max_tokens")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidRequest(f"'temperature' must be >= 0, got {t!r}", "temperature")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"'top_p' must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (no limit) or >= 1, got {self.top_k!r}")
+            raise InvalidRequest(f"'top_k' must be -1 (no limit) or >= 1, got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.top_logprobs, int) or not (0 <= self.top_logprobs <= 20):
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+            raise InvalidRequest(f"'seed' must be an integer, got {self.seed!r}", "seed")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequest("'stop_token_ids' must be token ids >= 0", "stop_token_ids")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequest(
+                f"'top_logprobs' must be in [0, 20], got {self.top_logprobs!r}", "top_logprobs"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            if not _is_real(value) or not (-2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
-            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequest(f"'{name}' must be in [-2, 2], got {value!r}", name)
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0.0 < r < math.inf:
+            raise InvalidRequest(
+                f"'repetition_penalty' must be > 0 (1 is off), got {r!r}", "repetition_penalty"
+            )
         if self.logit_bias is not None:
             _validate_logit_bias(self.logit_bias)
 
@@ -100,14 +124,18 @@ def _is_real(value: Any) -> bool:
 def _validate_logit_bias(bias: Any) -> None:
     # JSON object keys are strings: the API layer turns them into ints before they get here
     if not isinstance(bias, dict):
-        raise ValueError(  # noqa: TRY004 - validate() raises ValueError for every bad field
-            f"logit_bias must map token ids to biases, got {type(bias).__name__}"
+        raise InvalidRequest(
+            f"'logit_bias' must map token ids to biases, got {type(bias).__name__}", "logit_bias"
         )
     for token, value in bias.items():
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids (integers >= 0), got {token!r}", "logit_bias"
+            )
         if not _is_real(value) or not (-100.0 <= value <= 100.0):
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+            raise InvalidRequest(
+                f"'logit_bias' values must be in [-100, 100], got {value!r} for token {token}", "logit_bias"
+            )
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from conftest import (
     tiny_llm_kwargs,
 )
 
-from minisgl.core import SamplingParams
+from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.llm import LLM
 
 ARCH = "llama"
@@ -172,14 +172,49 @@ def test_sampling_params_list_applies_per_prompt(llm):
     assert_all_kv_free(llm)
 
 
-def test_prompt_at_max_seq_len_minus_one_generates_one_token(llm):
+def test_max_tokens_none_runs_up_to_the_context(llm):
+    """max_tokens=None (the service's absent max_tokens): a prompt at max_seq_len - 1 gets one token."""
     outs = llm.generate(
         [prompt(MAX_SEQ_LEN - 1), prompt(MAX_SEQ_LEN - 3, seed=1)],
-        SamplingParams(max_tokens=50, ignore_eos=True),
+        SamplingParams(max_tokens=None, ignore_eos=True),
     )
     assert [len(o["token_ids"]) for o in outs] == [1, 3]
     assert all(o["finish_reason"] == "length" for o in outs)
     assert_all_kv_free(llm)
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_rejected_as_by_the_service(llm):
+    """The offline path no longer caps an explicit max_tokens: like the service, it names max_tokens."""
+    with pytest.raises(InvalidRequest, match="'max_tokens' is 50") as err:
+        llm.generate([prompt(MAX_SEQ_LEN - 3)], SamplingParams(max_tokens=50))
+    assert err.value.param == "max_tokens"
+    out = llm.generate([prompt(MAX_SEQ_LEN - 3)], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 3  # exactly at the context is fine
+    assert_all_kv_free(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        *BAD_PARAMS,
+        ({"seed": "7"}, "seed"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_request_carries_the_generic_field_name(llm, kwargs, param):
+    with pytest.raises(InvalidRequest) as err:
+        llm.generate([prompt(5)], SamplingParams(**kwargs))
+    assert err.value.param == param and f"'{param}'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "bad", [[], [1, 2, VOCAB], [1, -1], prompt(MAX_SEQ_LEN)], ids=["empty", "vocab", "negative", "long"]
+)
+def test_bad_prompts_name_the_prompt(llm, bad):
+    with pytest.raises(InvalidRequest) as err:
+        llm.generate([bad], SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"
 
 
 def test_stop_token_ids_end_generation(llm, hf_reference):

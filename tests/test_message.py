@@ -29,7 +29,7 @@ from minisgl.message import (
     loads,
 )
 
-zmq_queue = pytest.importorskip("minisgl.utils.zmq_queue")
+zmq_queue = pytest.importorskip("minisgl.service.zmq_queue")
 
 
 def _addr(name: str) -> str:
@@ -55,7 +55,7 @@ def test_every_message_type_round_trips_with_its_fields():
             stop=["\n\n"],
             max_tokens_auto=True,
         ),
-        TokenizeMsg(uid=2, sampling_params=SamplingParams(), input_ids=[1, 2, 3]),
+        TokenizeMsg(uid=2, sampling_params=SamplingParams(max_tokens=None), input_ids=[1, 2, 3]),
         UserMsg(uid=3, input_ids=torch.tensor([5, 6, 7], dtype=torch.int32), sampling_params=params),
         AbortMsg(uid=4),
         BatchBackendMsg([AbortMsg(5), UserMsg(6, torch.tensor([1], dtype=torch.int32), SamplingParams())]),
@@ -65,7 +65,9 @@ def test_every_message_type_round_trips_with_its_fields():
         BatchDetokenizeMsg(
             [
                 DetokenizeMsg(8, 42, True, "length", -0.5, [(42, -0.5), (7, -1.25)]),
-                DetokenizeMsg(9, error="too long", finished=True, finish_reason="error"),
+                DetokenizeMsg(
+                    9, error="too long", finished=True, finish_reason="error", error_param="prompt"
+                ),
             ]
         ),
         StatsMsg({"num_running": 3, "kv_used_pages": 10.5}),
@@ -172,7 +174,7 @@ def test_async_queues_round_trip():
 
 def _subscriber(addr: str, out: mp.Queue) -> None:
     from minisgl.message import loads as _loads
-    from minisgl.utils.zmq_queue import ZmqSubQueue
+    from minisgl.service.zmq_queue import ZmqSubQueue
 
     time.sleep(0.5)  # join late: a plain PUB would already have dropped the first message
     sub = ZmqSubQueue(addr, decoder=_loads)

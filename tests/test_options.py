@@ -15,7 +15,7 @@ import minisgl.llm.llm as llm_module
 from minisgl.benchmark import offline, profile_step
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.args import DEFAULT_MODEL_NAME, ServerArgs, build_parser, parse_args
+from minisgl.service.args import DEFAULT_MODEL_NAME, ServerArgs, build_parser, parse_args
 from minisgl.utils import options
 from minisgl.utils.options import OptionError, flag, option
 

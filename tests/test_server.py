@@ -7,6 +7,7 @@ One server is shared by the whole module; the last test kills a worker to check 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.utils.hf import load_tokenizer, resolve_model_path
 
 openai = pytest.importorskip("openai")
@@ -149,8 +150,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(tokenizer):
     """Greedy outputs of the offline LLM (an independent path: no processes, no ZMQ) for the prompts used here."""
-    from minisgl.llm import LLM
-
     chat = [
         tokenizer.encode(
             tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True),
@@ -166,8 +165,19 @@ def reference(tokenizer):
         )
         for p in CONCURRENT_PROMPTS
     ]
+    with offline_llm() as llm:
+        outs = llm.generate(chat, SamplingParams(temperature=0.0, max_tokens=24))
+    return {"question": outs[0], "concurrent": outs[1:], "question_ids": chat[0]}
+
+
+@contextlib.contextmanager
+def offline_llm():
+    """The offline LLM with the service's model and context length."""
+    from minisgl.llm import LLM
+
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the service is loading on the other core
+    llm = None
     try:
         llm = LLM(
             model_path=None,
@@ -176,13 +186,13 @@ def reference(tokenizer):
             max_seq_len_override=CONTEXT,
             show_progress=False,
         )
-        outs = llm.generate(chat, SamplingParams(temperature=0.0, max_tokens=24))
-        llm.shutdown()
+        yield llm
     finally:
+        if llm is not None:
+            llm.shutdown()
         torch.set_num_threads(threads)
         if omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
-    return {"question": outs[0], "concurrent": outs[1:], "question_ids": chat[0]}
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
@@ -413,6 +423,93 @@ def test_bad_completion_input_gets_400_naming_the_field(server, body, param):
     _assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=body, timeout=120), param, None)
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=120)
     assert ok.status_code == 200
+
+
+# ---- the offline path and the service give the same answer ---------------------------------------------
+SAME_ANSWER = [  # (SamplingParams fields, also sent as the HTTP body's fields; prompt length)
+    ({"max_tokens": CONTEXT}, 10),  # prompt + max_tokens beyond the context
+    ({"max_tokens": 0}, 10),
+    ({"temperature": -0.5}, 10),
+    ({"top_p": 1.5}, 10),
+    ({"top_k": -2}, 10),
+    ({"seed": 1, "stop_token_ids": [-1]}, 10),
+    ({"max_tokens": 4}, CONTEXT + 5),  # the prompt alone is beyond the context
+    ({"max_tokens": 4}, 0),  # a token id outside the vocabulary
+]
+
+
+@pytest.fixture(scope="class")
+def offline():
+    """The offline LLM, for one class of tests (it is freed when the class is done)."""
+    with offline_llm() as llm:
+        yield llm
+
+
+class TestTheOfflinePathAndTheServiceAgree:
+    """One set of rules: the same bad request gets the same message and field from LLM.generate and HTTP."""
+
+    @staticmethod
+    def offline_error(llm, ids, fields) -> InvalidRequest:
+        with pytest.raises(InvalidRequest) as err:
+            llm.generate([ids], SamplingParams(**fields))
+        return err.value
+
+    @staticmethod
+    def prompt_ids(llm, length):
+        return [5] * length if length else [5, llm.scheduler.vocab_size]
+
+    @pytest.mark.parametrize("fields,length", SAME_ANSWER, ids=[f"same{i}" for i in range(len(SAME_ANSWER))])
+    def test_completions_give_the_offline_message_and_field(self, server, offline, fields, length):
+        ids = self.prompt_ids(offline, length)
+        expected = self.offline_error(offline, ids, fields)
+        body = {"prompt": ids, **fields}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        names = {"stop_token_ids": "stop"}  # the HTTP body's `stop` carries stop token ids as well
+        param = names.get(expected.param, expected.param)
+        _assert_openai_error(r, param, "invalid_value")
+        assert r.json()["error"]["message"] == InvalidRequest.renamed(expected.message, expected.param, param)
+
+    @pytest.mark.parametrize(
+        "path,body,param",
+        [
+            ("/generate", {"sampling_params": {"max_new_tokens": CONTEXT}}, "max_new_tokens"),
+            ("/v1/chat/completions", {"max_completion_tokens": CONTEXT}, "max_completion_tokens"),
+        ],
+    )
+    def test_each_endpoint_names_max_tokens_its_own_way(self, server, offline, tokenizer, path, body, param):
+        ids = chat_ids(tokenizer, QUESTION)
+        expected = self.offline_error(offline, ids, {"max_tokens": CONTEXT})
+        prompt = {"input_ids": ids} if path == "/generate" else {"messages": QUESTION}
+        r = httpx.post(f"{server.url}{path}", json={**prompt, **body}, timeout=120)
+        _assert_openai_error(r, param, "invalid_value")
+        assert r.json()["error"]["message"] == InvalidRequest.renamed(expected.message, "max_tokens", param)
+        assert f"'{param}' is {CONTEXT}" in r.json()["error"]["message"]
+
+    @pytest.mark.parametrize("path,param", [("/generate", "input_ids"), ("/v1/chat/completions", "messages")])
+    def test_each_endpoint_names_the_prompt_its_own_way(self, server, offline, path, param):
+        ids = [5] * (CONTEXT + 5)
+        expected = self.offline_error(offline, ids, {"max_tokens": 1})
+        if path == "/generate":
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+        else:  # a chat whose template makes more than CONTEXT tokens
+            body = {"messages": [{"role": "user", "content": "hi " * (CONTEXT + 5)}], "max_tokens": 1}
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+        _assert_openai_error(r, param, "invalid_value")
+        if path == "/generate":
+            assert r.json()["error"]["message"] == expected.message
+
+
+def test_each_of_n_choices_keeps_every_sampling_field_but_its_seed():
+    """for_choice copies SamplingParams whole: a new field is never lost for n > 1."""
+    import dataclasses
+
+    from minisgl.service.openai.params import Sampling
+
+    params = SamplingParams(0.5, 7, 0.9, 33, True, 100, [4, 5], True, 3)
+    for i, choice in enumerate(Sampling(params, [], 3).for_choice(i) for i in range(3)):
+        assert choice.seed == 100 + i
+        assert dataclasses.replace(choice, seed=100) == params
+        assert choice.stop_token_ids is not params.stop_token_ids
 
 
 def test_openai_client_sees_a_bad_request_error(client):

@@ -237,7 +237,7 @@ def test_the_offline_path_never_imports_the_service_dependencies():
 
 _BLOCKED_IN_GET = """
 import signal, sys, tempfile, threading
-from minisgl.utils.zmq_queue import ZmqPullQueue
+from minisgl.service.zmq_queue import ZmqPullQueue
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as the service's workers do
 queue = ZmqPullQueue(f"ipc://{tempfile.mkdtemp()}/q", create=True, decoder=bytes)
 # the SIGTERM lands on another thread (as it may on ZMQ's or a tokenizer pool's): the main thread's wait

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from minisgl.core import SamplingParams
+from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.utils import init_logger
 from minisgl.utils.hf import load_tokenizer
@@ -42,12 +42,14 @@ class LLM:
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidRequest("the prompt is empty", "prompt")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+                raise InvalidRequest(
+                    "this model has no tokenizer: pass prompts as lists of token ids", "prompt"
+                )
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("each prompt must be a string or a list of token ids")
+            raise InvalidRequest("each prompt must be a string or a list of token ids", "prompt")
         return list(prompt)
 
     def generate(
@@ -57,7 +59,11 @@ class LLM:
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; returns one dict per prompt, in order: `text`, `token_ids` (the
         generated ids), `finish_reason`, `prompt_tokens`; with `logprobs=True` also `logprobs` (per token) and,
-        with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs)."""
+        with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs).
+
+        A bad request raises InvalidRequest (a ValueError) naming the field, with the service's rules and
+        messages: a prompt plus `max_tokens` beyond the maximum sequence length is rejected, and
+        `max_tokens=None` generates up to the context."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of strings or of token-id lists")  # noqa: TRY004 (the API's error type)
         if sampling_params is None:

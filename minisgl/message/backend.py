@@ -14,9 +14,9 @@ from .serialize import serializable
 @serializable
 @dataclass
 class UserMsg:
-    """A tokenized request. With `max_tokens_auto` (the client gave no max_tokens) the sampling params'
-    max_tokens is only a ceiling: the scheduler lowers it to what the context length leaves after the prompt
-    instead of rejecting the request."""
+    """A tokenized request. `sampling_params.max_tokens=None` runs up to the context. With `max_tokens_auto`
+    (the shell) max_tokens is only a ceiling: when prompt + max_tokens exceed the context, the request runs
+    up to the context instead of being rejected."""
 
     uid: int
     input_ids: torch.Tensor  # [prompt_len] int32

@@ -33,6 +33,7 @@ class UserReply:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # a rejected request: the message names the problem
+    error_param: str | None = None  # and the field, by its generic name (`max_tokens`, `prompt`, ...)
 
 
 @serializable

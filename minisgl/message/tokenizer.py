@@ -22,7 +22,7 @@ class TokenizeMsg:
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, applied by the detokenizer
-    max_tokens_auto: bool = False
+    max_tokens_auto: bool = False  # max_tokens is only a ceiling (see UserMsg)
 
 
 @serializable
@@ -50,6 +50,7 @@ class DetokenizeMsg:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
+    error_param: str | None = None  # the rejected field, generic name (InvalidRequest.param)
 
 
 @serializable

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.core import Batch, FinishReason, Phase, Req, SamplingParams
+from minisgl.core import Batch, FinishReason, InvalidRequest, Phase, Req, SamplingParams
 from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
@@ -69,32 +69,44 @@ class Scheduler:
 
     # ---- requests in -----------------------------------------------------------------------------
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming what is wrong with a request."""
+        """Raise InvalidRequest naming the field (`prompt`, `max_tokens`, ...) of a request that cannot run.
+        The one set of rules for both the offline path and the service."""
         params.validate()
-        if len(input_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(input_ids) >= self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(input_ids)} tokens; the maximum sequence length is "
-                f"{self.max_seq_len} (prompt + at least one generated token)"
+        n, max_len = len(input_ids), self.max_seq_len
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if n >= max_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; the maximum sequence length is {max_len} "
+                "(prompt + at least one generated token)",
+                "prompt",
             )
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
-        if len(input_ids) >= self.pool_tokens:
-            raise ValueError(
-                f"the prompt has {len(input_ids)} tokens but the KV pool holds only {self.pool_tokens}"
+            raise InvalidRequest(f"'logit_bias' token ids must be in [0, {self.vocab_size})", "logit_bias")
+        if n >= self.pool_tokens:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens but the KV pool holds only {self.pool_tokens}", "prompt"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > max_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens and 'max_tokens' is {params.max_tokens}: together more than "
+                f"the maximum sequence length {max_len}; lower 'max_tokens' or shorten the prompt "
+                "(with no 'max_tokens' the output runs up to the context)",
+                "max_tokens",
             )
 
     def add_request(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request after `validate`; `params.max_tokens=None` runs up to the context."""
         if uid in self.reqs:
             raise ValueError(f"request uid {uid} is already in use")
         input_ids = [int(t) for t in input_ids]
         self.validate(input_ids, params)
         req = Req(uid=uid, token_ids=input_ids, sampling_params=params)
+        max_tokens = self.max_seq_len if params.max_tokens is None else params.max_tokens
         # a request alone must always fit in the pool, or retraction could not make progress
-        req.max_total_len = min(len(input_ids) + params.max_tokens, self.max_seq_len, self.pool_tokens)
+        req.max_total_len = min(len(input_ids) + max_tokens, self.max_seq_len, self.pool_tokens)
         self.reqs[uid] = req
         self.prefill.add(req)
 

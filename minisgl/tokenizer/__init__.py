@@ -1,7 +1,9 @@
-"""The tokenizer / detokenizer worker: chat template, tokenization, incremental detokenization."""
+"""Tokenization and incremental detokenization (chat template, stop strings, UTF-8 boundaries).
+
+The worker process that drives these over ZMQ is the service's: `minisgl/service/tokenizer_worker.py`.
+"""
 
 from .detokenize import DetokenizeManager
-from .server import TokenizerWorker, tokenize_worker
 from .tokenize import TokenizeManager
 
-__all__ = ["DetokenizeManager", "TokenizeManager", "TokenizerWorker", "tokenize_worker"]
+__all__ = ["DetokenizeManager", "TokenizeManager"]

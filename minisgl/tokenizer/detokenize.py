@@ -75,7 +75,15 @@ class DetokenizeManager:
             state = self.states.get(msg.uid)
             if state is None:
                 if msg.error is not None:  # rejected before it was registered here
-                    replies.append(UserReply(msg.uid, finished=True, finish_reason="error", error=msg.error))
+                    replies.append(
+                        UserReply(
+                            msg.uid,
+                            finished=True,
+                            finish_reason="error",
+                            error=msg.error,
+                            error_param=msg.error_param,
+                        )
+                    )
                 else:
                     self.early.setdefault(msg.uid, []).append(msg)
                 continue
@@ -95,6 +103,7 @@ class DetokenizeManager:
         reply = UserReply(uid, prompt_tokens=st.prompt_len)
         if msg.error is not None:
             reply.finished, reply.finish_reason, reply.error = True, "error", msg.error
+            reply.error_param = msg.error_param
             return reply
         if msg.token_id >= 0:
             reply.token_ids = [msg.token_id]

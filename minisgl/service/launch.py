@@ -73,7 +73,8 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
     name = f"scheduler-{rank}"
     try:
         from minisgl.scheduler import Scheduler
-        from minisgl.scheduler.io import SchedulerIO
+
+        from .scheduler_io import SchedulerIO
 
         scheduler = Scheduler(_scheduler_config(args, rank))
         io = SchedulerIO(
@@ -91,7 +92,7 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
 
 def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> None:
     _child_init(parent_pid)
-    from minisgl.tokenizer import tokenize_worker
+    from .tokenizer_worker import tokenize_worker
 
     try:
         tokenize_worker(ack_queue=ack_queue, **kwargs)
@@ -253,7 +254,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
     import uvicorn  # imported while the workers load
 
-    from .api_server import create_app
+    from .openai import create_app
 
     ready = service.wait_ready()
     max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))
@@ -306,7 +307,7 @@ def launch(args: ServerArgs) -> int:
     try:
         service.start()
         if args.shell:
-            from minisgl.shell import run_shell
+            from .shell import run_shell
 
             service.wait_ready()
             return run_shell(args, service)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from minisgl.core import InvalidRequest
 from minisgl.env import ENV
 from minisgl.message import (
     AbortMsg,
@@ -23,10 +24,10 @@ from minisgl.message import (
     dumps,
     loads,
 )
+from minisgl.scheduler import Scheduler
 from minisgl.utils import init_logger
-from minisgl.utils.zmq_queue import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
 
-from .scheduler import Scheduler
+from .zmq_queue import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
 
 logger = init_logger(__name__)
 
@@ -130,29 +131,29 @@ class SchedulerIO:
         if self.early_aborts.pop(msg.uid, None) is not None:  # its client is already gone
             self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason="abort"))
             return
-        input_ids = msg.input_ids.tolist()
-        params = msg.sampling_params
-        max_len = self.scheduler.max_seq_len
         try:
-            if len(input_ids) >= max_len:
-                raise ValueError(
-                    f"the prompt has {len(input_ids)} tokens; the context length is {max_len}, "
-                    "which must leave room for at least one generated token"
-                )
-            if msg.max_tokens_auto:  # max_tokens is only a ceiling: the context may leave less
-                params.max_tokens = max(1, min(params.max_tokens, max_len - len(input_ids)))
-            elif len(input_ids) + params.max_tokens > max_len:
-                raise ValueError(
-                    f"the prompt has {len(input_ids)} tokens and max_tokens is {params.max_tokens}: "
-                    f"together more than the context length {max_len}; lower max_tokens or "
-                    "shorten the prompt"
-                )
-            self.scheduler.add_request(msg.uid, input_ids, params)
+            self._admit(msg)
         except ValueError as e:  # the same on every rank: each one skips the request
             self.counters["rejected_requests"] += 1
-            self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason="error", error=str(e)))
+            param = getattr(e, "param", None)  # an InvalidRequest names the field
+            error = DetokenizeMsg(
+                msg.uid, finished=True, finish_reason="error", error=str(e), error_param=param
+            )
+            self.outbox.append(error)
             return
         self.live.add(msg.uid)
+
+    def _admit(self, msg: UserMsg) -> None:
+        """Add the request to the scheduler; with `max_tokens_auto` a max_tokens too large for the context
+        becomes "up to the context" instead of an error."""
+        input_ids = msg.input_ids.tolist()
+        try:
+            self.scheduler.add_request(msg.uid, input_ids, msg.sampling_params)
+        except InvalidRequest as e:
+            if not (msg.max_tokens_auto and e.param == "max_tokens"):
+                raise
+            msg.sampling_params.max_tokens = None  # max_tokens was only a ceiling: run up to the context
+            self.scheduler.add_request(msg.uid, input_ids, msg.sampling_params)
 
     def _abort(self, uid: int) -> None:
         if uid in self.live:

@@ -24,12 +24,11 @@ from minisgl.message import (
     dumps,
     loads,
 )
+from minisgl.tokenizer import DetokenizeManager, TokenizeManager
 from minisgl.utils import init_logger
 from minisgl.utils.hf import load_tokenizer
-from minisgl.utils.zmq_queue import ZmqPullQueue, ZmqPushQueue
 
-from .detokenize import DetokenizeManager
-from .tokenize import TokenizeManager
+from .zmq_queue import ZmqPullQueue, ZmqPushQueue
 
 ROLES = ("both", "tokenizer", "detokenizer")
 
@@ -92,9 +91,14 @@ class TokenizerWorker:
             input_ids = self.tokenize_mgr.tokenize(msg)
             if not input_ids:
                 raise ValueError("the prompt is empty after tokenization")
+            ids = torch.tensor(input_ids, dtype=torch.int32)  # raises for ids beyond int32
         except Exception as e:  # noqa: BLE001 - a bad prompt must not take the worker down, only fail itself
             error = DetokenizeMsg(
-                msg.uid, finished=True, finish_reason="error", error=f"cannot tokenize: {e}"
+                msg.uid,
+                finished=True,
+                finish_reason="error",
+                error=f"cannot tokenize: {e}",
+                error_param="prompt",
             )
             if self.send_detokenizer is not None:
                 self.send_detokenizer.put(BatchDetokenizeMsg([error]))
@@ -116,7 +120,7 @@ class TokenizerWorker:
         self.send_backend.put(
             UserMsg(
                 uid=msg.uid,
-                input_ids=torch.tensor(input_ids, dtype=torch.int32),
+                input_ids=ids,
                 sampling_params=msg.sampling_params,
                 max_tokens_auto=msg.max_tokens_auto,
             )

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.core import SamplingParams
 from minisgl.message import AbortMsg, BatchFrontendMsg, TokenizeMsg, UserReply, dumps, loads
-from minisgl.utils.zmq_queue import ZmqPullQueue, ZmqPushQueue
+
+from .zmq_queue import ZmqPullQueue, ZmqPushQueue
 
 if TYPE_CHECKING:
-    from minisgl.server.args import ServerArgs
-    from minisgl.server.launch import ServiceProcesses
+    from .args import ServerArgs
+    from .launch import ServiceProcesses
 
 MAX_ANSWER_TOKENS = 1024  # per answer; lowered automatically when the context has less room
 

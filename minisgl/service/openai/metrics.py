@@ -1,0 +1,96 @@
+"""Prometheus metrics: request counters and latencies measured in the API server, gauges from the scheduler."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    """Prometheus metrics: request counters and latencies measured here, gauges from the scheduler."""
+
+    LATENCY_BUCKETS = (
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.5,
+        0.75,
+        1.0,
+        2.0,
+        5.0,
+        10.0,
+        30.0,
+        60.0,
+    )
+    STATS: ClassVar[dict[str, tuple[str, str]]] = {  # scheduler stats key -> gauge name, help
+        "num_running": ("num_requests_running", "Requests in the running batch"),
+        "num_waiting": ("num_requests_waiting", "Requests waiting for admission"),
+        "kv_used_pages": ("kv_used_pages", "KV pages in use (by requests or the prefix cache)"),
+        "kv_cached_pages": ("kv_cached_pages", "KV pages held by the prefix cache"),
+        "kv_total_pages": ("kv_total_pages", "KV pages in the pool"),
+        "last_batch_size": ("last_batch_size", "Requests in the latest step"),
+        "max_batch_size": ("max_batch_size", "Largest number of requests in one step so far"),
+        "num_retractions": ("num_retractions", "Requests retracted when decode ran out of KV"),
+        "aborted_requests": ("aborted_requests", "Requests the scheduler aborted"),
+        "rejected_requests": ("rejected_requests", "Requests the scheduler rejected"),
+        "integrity_checks": ("integrity_checks", "Idle-time KV integrity checks run"),
+        "integrity_failures": ("integrity_failures", "Idle-time KV integrity checks that found a leak"),
+        "prompt_tokens": ("scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler"),
+        "cached_prompt_tokens": ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
+    }
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("minisgl_requests", "HTTP generation requests", ["endpoint"], registry=r)
+        self.errors = Counter(
+            "minisgl_request_errors", "Requests refused with HTTP 400", ["code"], registry=r
+        )
+        self.finished = Counter(
+            "minisgl_finished_requests", "Finished choices by reason", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished choices", registry=r)
+        self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=self.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "minisgl_inter_token_latency_seconds",
+            "Time between two tokens of a choice",
+            buckets=self.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl_e2e_request_latency_seconds",
+            "Request arrival to last token",
+            buckets=self.LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.gauges = {k: Gauge(f"minisgl_{name}", doc, registry=r) for k, (name, doc) in self.STATS.items()}
+        self.kv_usage = Gauge("minisgl_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
+        self.hit_rate = Gauge(
+            "minisgl_prefix_cache_hit_rate", "Fraction of prompt tokens found in the cache", registry=r
+        )
+
+    def update(self, stats: dict[str, float]) -> None:
+        for key, gauge in self.gauges.items():
+            if key in stats:
+                gauge.set(stats[key])
+        if stats.get("kv_total_pages"):
+            self.kv_usage.set(stats.get("kv_used_pages", 0) / stats["kv_total_pages"])
+        if stats.get("prompt_tokens"):
+            self.hit_rate.set(stats.get("cached_prompt_tokens", 0) / stats["prompt_tokens"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

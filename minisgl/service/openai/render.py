@@ -1,0 +1,197 @@
+"""Response shapes: one renderer per endpoint kind (chat, completions, native generate), streamed as SSE
+chunks or as one JSON body, and the OpenAI logprob shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from minisgl.message import TokenLogprob, UserReply
+
+from .routing import ChoiceState, Generation
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    """Chat's `logprobs`: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+
+    def entry(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            dict(entry(t.token, t.logprob), top_logprobs=[entry(s, lp) for s, _, lp in t.top]) for t in items
+        ]
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """Completions' `logprobs`: parallel lists, with each token's character offset in the text."""
+    offsets, pos = [], offset
+    for t in items:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {
+        "tokens": [t.token for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{s: lp for s, _, lp in t.top} for t in items],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class Renderer:
+    """How one endpoint shapes its replies; the base renders nothing extra around the deltas."""
+
+    model: str
+    rid: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    include_usage: bool = False
+    logprobs: bool = False
+
+    def stream_start(self, gen: Generation) -> list[bytes]:
+        """Chunks sent before the first token."""
+        return []
+
+    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
+        """The chunk for one reply of choice `c` (`offset`: characters of `c` already sent)."""
+        raise NotImplementedError
+
+    def stream_finish(self, c: ChoiceState) -> bytes | None:
+        """The chunk that ends choice `c`."""
+        return None
+
+    def stream_usage(self, gen: Generation) -> bytes | None:
+        """The final usage chunk, if asked for."""
+        return None
+
+    def full(self, gen: Generation) -> Any:
+        """The non-streamed response body."""
+        raise NotImplementedError
+
+
+class _OpenAIRenderer(Renderer):
+    """What chat and completions share: the envelope of every chunk and body, the usage chunk."""
+
+    OBJECT: ClassVar[str]
+    CHUNK_OBJECT: ClassVar[str]
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        body = self._envelope(self.CHUNK_OBJECT, choices)
+        if self.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _delta(
+        self, c: ChoiceState, text: str, lps: list[TokenLogprob] | None, offset: int
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _final(self, c: ChoiceState) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
+        lps = reply.logprobs if self.logprobs else None
+        if not reply.text and not lps:
+            return None
+        return self._chunk([dict(self._delta(c, reply.text, lps, offset), finish_reason=None)])
+
+    def stream_finish(self, c: ChoiceState) -> bytes | None:
+        return self._chunk([dict(self._delta(c, "", None, 0), finish_reason=c.finish_reason)])
+
+    def stream_usage(self, gen: Generation) -> bytes | None:
+        return self._chunk([], gen.usage()) if self.include_usage else None
+
+    def full(self, gen: Generation) -> Any:
+        body = self._envelope(self.OBJECT, [self._final(c) for c in gen.choices])
+        body["usage"] = gen.usage()
+        return body
+
+
+class ChatRenderer(_OpenAIRenderer):
+    """/v1/chat/completions: `chat.completion` bodies, deltas after an opening role chunk."""
+
+    OBJECT = "chat.completion"
+    CHUNK_OBJECT = "chat.completion.chunk"
+
+    def stream_start(self, gen: Generation) -> list[bytes]:
+        opening = {"role": "assistant", "content": ""}
+        return [
+            self._chunk([{"index": c.index, "delta": opening, "logprobs": None, "finish_reason": None}])
+            for c in gen.choices
+        ]
+
+    def _delta(
+        self, c: ChoiceState, text: str, lps: list[TokenLogprob] | None, offset: int
+    ) -> dict[str, Any]:
+        delta = {"content": text} if text or lps else {}  # the finishing chunk has an empty delta
+        return {"index": c.index, "delta": delta, "logprobs": chat_logprobs(lps) if lps else None}
+
+    def _final(self, c: ChoiceState) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs) if self.logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+
+
+class CompletionRenderer(_OpenAIRenderer):
+    """/v1/completions: `text_completion` bodies and chunks."""
+
+    OBJECT = "text_completion"
+    CHUNK_OBJECT = "text_completion"
+
+    def _delta(
+        self, c: ChoiceState, text: str, lps: list[TokenLogprob] | None, offset: int
+    ) -> dict[str, Any]:
+        return {"index": c.index, "text": text, "logprobs": completion_logprobs(lps, offset) if lps else None}
+
+    def _final(self, c: ChoiceState) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": completion_logprobs(c.logprobs) if self.logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+
+
+class GenerateRenderer(Renderer):
+    """/generate: SGLang's native shape, text and output ids with a meta_info per choice."""
+
+    @staticmethod
+    def _meta(c: ChoiceState, finished: bool) -> dict[str, Any]:
+        return {
+            "id": c.uid,
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "finish_reason": {"type": c.finish_reason} if finished else None,
+        }
+
+    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
+        meta = self._meta(c, reply.finished)
+        return sse({"index": c.index, "text": reply.text, "output_ids": reply.token_ids, "meta_info": meta})
+
+    def full(self, gen: Generation) -> Any:
+        out = [
+            {"text": c.text, "output_ids": c.token_ids, "meta_info": self._meta(c, True)} for c in gen.choices
+        ]
+        return out[0] if len(out) == 1 else out

@@ -1,0 +1,254 @@
+"""The FastAPI application: the routes, and the run / stream logic every generation endpoint shares."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from minisgl.message import TokenizeMsg, UserReply
+
+from ..args import ServerArgs
+from .errors import APIError, ClientGone, FieldNames, error_object
+from .params import chat_messages, fan_out, prompts, sampling
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingBody,
+    parse,
+    read_json,
+)
+from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
+from .routing import ChoiceState, FrontendManager, Generation
+
+_rids = itertools.count()
+
+
+@dataclass
+class Job:
+    """One HTTP request, translated: its TokenizeMsgs (one per choice) and how to answer."""
+
+    renderer: Renderer
+    msgs: list[TokenizeMsg]
+    prompt_index: list[int]  # the prompt each choice belongs to
+    stream: bool
+    names: FieldNames  # the endpoint's names for the fields an error may name
+
+
+def _check(reply: UserReply, names: FieldNames) -> None:
+    """A reply that rejects the request becomes the 400 naming the field in the endpoint's words."""
+    if reply.error is not None:
+        raise names.error(reply.error, reply.error_param)
+
+
+class OpenAIServer:
+    """The handlers; the FrontendManager is made in the app's lifespan (it needs the event loop)."""
+
+    def __init__(self, args: ServerArgs, max_seq_len: int, health: Callable[[], bool]) -> None:
+        self.args, self.max_seq_len, self.health = args, max_seq_len, health
+        self._frontend: FrontendManager | None = None
+
+    @property
+    def frontend(self) -> FrontendManager:
+        assert self._frontend is not None, "the frontend starts with the app"
+        return self._frontend
+
+    def start(self) -> None:
+        """Connect to the tokenizer side and start routing replies (needs the running event loop)."""
+        self._frontend = FrontendManager(self.args)
+        self._frontend.start()
+
+    def stop(self) -> None:
+        self.frontend.stop()
+
+    def refuse(self, e: APIError) -> JSONResponse:
+        self.frontend.metrics.errors.labels(e.code or "other").inc()
+        return e.response()
+
+    async def guarded(
+        self, request: Request, handler: Callable[[Request, dict[str, Any]], Awaitable[Response]]
+    ) -> Response:
+        """Read the body and run `handler`; a client mistake is a 400, a client gone a 499."""
+        try:
+            data = await read_json(request, self.args.max_request_bytes)
+            return await handler(request, data)
+        except APIError as e:
+            return self.refuse(e)
+        except ClientGone:
+            return Response(status_code=499)
+
+    # ---- shared by every generation endpoint ------------------------------------------------------
+    async def run(self, request: Request, job: Job) -> Response:
+        """Submit the job's choices, then answer with one JSON body or an SSE stream. A rejected request
+        is a plain HTTP 400 even when streaming (the first reply is awaited before the stream opens)."""
+        gen = Generation(self.frontend, job.prompt_index)
+        for msg, c in zip(job.msgs, gen.choices):
+            msg.uid = c.uid
+        try:
+            await self.frontend.submit(job.msgs)
+            if not job.stream:
+                while not gen.done:
+                    _check((await gen.next(request))[1], job.names)
+                return JSONResponse(job.renderer.full(gen))
+            first = await gen.next(request)
+            _check(first[1], job.names)
+        except APIError as e:
+            gen.close()
+            return self.refuse(e)
+        except BaseException:  # the client went away (or the server is shutting down): abort what runs
+            gen.close()
+            raise
+        return StreamingResponse(
+            self._stream(gen, job, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def _stream(
+        self, gen: Generation, job: Job, first: tuple[ChoiceState, UserReply]
+    ) -> AsyncIterator[bytes]:
+        """SSE frames; if the client disconnects, starlette cancels this generator and `finally` aborts."""
+        r = job.renderer
+        try:
+            for chunk in r.stream_start(gen):
+                yield chunk
+            item: tuple[ChoiceState, UserReply] | None = first
+            sent: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
+            while item is not None:
+                c, reply = item
+                if reply.error is not None:  # one prompt of several was rejected
+                    name = job.names.of(reply.error_param)
+                    yield sse(error_object(reply.error, name, "invalid_value"))
+                    break
+                chunk = r.stream_delta(c, reply, sent.get(c.index, 0))
+                if chunk is not None:
+                    yield chunk
+                sent[c.index] = sent.get(c.index, 0) + len(reply.text)
+                if reply.finished and (end := r.stream_finish(c)) is not None:
+                    yield end
+                item = None if gen.done else await gen.next()
+            else:
+                if (usage := r.stream_usage(gen)) is not None:
+                    yield usage
+            yield SSE_DONE
+        finally:
+            gen.close()
+
+    # ---- the endpoints -------------------------------------------------------------------------------
+    def model_name(self, requested: str | None) -> str:
+        return requested or self.args.served_model_name
+
+    async def chat(self, request: Request, data: dict[str, Any]) -> Response:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
+        messages = chat_messages(req)
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        use_completion = req.max_completion_tokens is not None
+        names = FieldNames("messages", "max_completion_tokens" if use_completion else "max_tokens")
+        max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
+        s = sampling(req, max_tokens, names, bool(req.logprobs), top)
+        self.frontend.metrics.requests.labels("chat").inc()
+        msgs = [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop) for i in range(s.n)]
+        renderer = ChatRenderer(
+            self.model_name(req.model),
+            f"chatcmpl-{next(_rids)}",
+            include_usage=req.include_usage,
+            logprobs=bool(req.logprobs),
+        )
+        return await self.run(request, Job(renderer, msgs, [0] * s.n, bool(req.stream), names))
+
+    async def completions(self, request: Request, data: dict[str, Any]) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, data)
+        prompt_list = prompts(req.prompt, "prompt")
+        if req.echo:
+            raise APIError("'echo' is not supported", "echo", "unsupported_parameter")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise APIError(f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value")
+        names = FieldNames("prompt")
+        s = sampling(req, req.max_tokens, names, req.logprobs is not None, req.logprobs or 0)
+        self.frontend.metrics.requests.labels("completions").inc()
+        msgs, index = fan_out(prompt_list, s)
+        renderer = CompletionRenderer(
+            self.model_name(req.model),
+            f"cmpl-{next(_rids)}",
+            include_usage=req.include_usage,
+            logprobs=req.logprobs is not None,
+        )
+        return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
+
+    async def generate(self, request: Request, data: dict[str, Any]) -> Response:
+        req: GenerateRequest = parse(GenerateRequest, data)
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError("give exactly one of 'text' and 'input_ids'", "text", "invalid_value")
+        param = "text" if req.text is not None else "input_ids"
+        prompt_list = prompts(req.text if req.text is not None else req.input_ids, param)
+        sp: SamplingBody = parse(SamplingBody, dict(req.sampling_params or {}))
+        max_new = (sp.model_extra or {}).get("max_new_tokens", sp.max_tokens)
+        if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)):
+            raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
+        names = FieldNames(param, "max_new_tokens")
+        s = sampling(sp, max_new, names, False, 0)
+        self.frontend.metrics.requests.labels("generate").inc()
+        msgs, index = fan_out(prompt_list, s)
+        renderer = GenerateRenderer(self.args.served_model_name, f"gen-{next(_rids)}")
+        return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
+
+    def v1_models(self) -> dict[str, Any]:
+        card = {
+            "id": self.args.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "minisgl",
+            "root": self.args.model_path,
+            "max_model_len": self.max_seq_len,
+        }
+        return {"object": "list", "data": [card]}
+
+
+def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True) -> FastAPI:
+    """The FastAPI application. `health` tells /health whether every worker process is alive."""
+    server = OpenAIServer(args, max_seq_len, health)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.start()
+        yield
+        server.stop()
+
+    app = FastAPI(title="minisgl", lifespan=lifespan)
+
+    @app.get("/v1/models")
+    async def v1_models() -> dict[str, Any]:
+        return server.v1_models()
+
+    @app.get("/health")
+    async def health_check() -> Response:
+        ok = server.health()
+        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.guarded(request, server.chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.guarded(request, server.completions)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await server.guarded(request, server.generate)
+
+    return app
