@@ -268,7 +268,7 @@ def build_penalised(params: list[SamplingParams], seed: int = 0):
 def expected(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return torch.stack(
         [
-            reference_logits(row, r.token_ids[: r.prompt_len], r.output_ids, r.sampling_params)
+            reference_logits(row, r.token_ids[: r.prompt_len], r.token_ids[r.prompt_len :], r.sampling_params)
             for row, r in zip(logits, reqs)
         ]
     )
