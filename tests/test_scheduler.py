@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import (
+from helpers import (
     TINY_SPECS,
     assert_all_kv_free,
     assert_tokens_equal_hf,
