@@ -35,7 +35,7 @@ def _lint_imports(config: Path) -> subprocess.CompletedProcess:
 def test_no_module_imports_a_module_above_it_in_the_stack():
     r = _lint_imports(ROOT / "pyproject.toml")
     assert r.returncode == 0, f"a lower module imports a higher one:\n{r.stdout}{r.stderr}"
-    assert "1 kept, 0 broken" in r.stdout, r.stdout
+    assert "0 broken" in r.stdout, r.stdout
 
 
 def test_the_check_sees_the_imports_a_reversed_stack_is_broken(tmp_path):
