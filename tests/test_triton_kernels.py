@@ -517,7 +517,7 @@ def test_llm_with_triton_attention_and_decode_graphs_equals_hf(tiny_model_dirs, 
     """Qwen3 tiny (GQA 2, head_dim 40) through the scheduler: chunked prefill over cached prefixes
     (a shared prompt prefix, page size 4) and decode replayed through the graphs of 1, 2 and 4 requests
     (emulated on a CPU) give Hugging Face's greedy tokens."""
-    from conftest import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+    from helpers import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
 
     vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 1), (5, 2), (40, 3)]]
@@ -534,7 +534,7 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
     """Prefill through the (emulated) prefill graphs: chunks of up to 16 tokens padded to a captured size,
     several requests a step, chunks on cached prefixes (page size 4, a shared prompt prefix), decode through
     the decode graphs: Hugging Face's greedy tokens, and every prefill step was a replay."""
-    from conftest import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+    from helpers import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
 
     vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 4), (3, 5), (40, 6), (9, 7)]]
