@@ -29,7 +29,7 @@ def _randn(*shape, dtype=torch.bfloat16, scale=1.0):
 # ---- elementwise kernels ---------------------------------------------------------------------------------
 def test_norms_and_silu_match_reference_at_model_shapes():
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(0)
     x, res, w = _randn(4096, 4096), _randn(4096, 4096), _randn(4096)
@@ -53,7 +53,7 @@ def test_norms_and_silu_match_reference_at_model_shapes():
 @pytest.mark.parametrize("rot_dim", [128, 64])
 def test_rotary_matches_reference_at_model_shapes(rot_dim):
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
     from minisgl.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -71,7 +71,7 @@ def test_rotary_matches_reference_at_model_shapes(rot_dim):
 def test_qk_norm_rotary_matches_reference_at_model_shapes():
     """Qwen3-0.6B heads (16 q, 8 kv, head_dim 128) at decode (1 token) and prefill (4096 tokens)."""
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
     from minisgl.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ GEMV_SHAPES = [
 def test_gemv_matches_float32_linear_at_model_shapes(n, k):
     """One row, with and without bias, plain (from a strided row) and gated (silu_and_mul input)."""
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(n + k)
     w, b = _randn(n, k, scale=k**-0.5), _randn(n)
@@ -121,7 +121,7 @@ def test_gemv_matches_float32_linear_at_model_shapes(n, k):
 @pytest.mark.parametrize("n,k", GEMV_SHAPES)
 def test_gemv_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
     """The pre-norm projection of one row: h = x + residual exactly, and rms_norm(h) W^T + b."""
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(n + k + 1)
     w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), 1 + 0.1 * _randn(k)
@@ -148,7 +148,7 @@ def test_gemm_matches_float32_linear_at_model_shapes(n, k):
     gated; a second call gives the same bits (split-K sums its parts in a fixed order and resets its
     counters)."""
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(n + k)
     w, b = _randn(n, k, scale=k**-0.5), _randn(n)
@@ -168,7 +168,7 @@ def test_gemm_matches_float32_linear_at_model_shapes(n, k):
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)])
 def test_gemm_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(n + k)
     w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), _randn(k)
@@ -178,7 +178,7 @@ def test_gemm_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
 
 @pytest.mark.parametrize("rows", [1, 37, 256])
 def test_argmax_equals_torch_over_a_vocabulary(rows):
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(rows)
     x = _randn(rows, 151936)
@@ -188,7 +188,7 @@ def test_argmax_equals_torch_over_a_vocabulary(rows):
 
 def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel.triton import gemm as triton_ops
 
     torch.manual_seed(0)
     T, H, D, slots = 8192, 8, 128, 2_200_000  # slot * row size exceeds int32: the kernel indexes in int64

@@ -19,7 +19,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.kernel import reference as ref
-from minisgl.kernel import triton_ops
+from minisgl.kernel.triton import gemm as triton_ops
 from minisgl.kvcache.pool import KVPool
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import Rope, SplitAttention, triton_ops
-from minisgl.kernel.triton_ops import gdc_begin, rope_consts, rope_rows
+from minisgl.kernel import Rope, SplitAttention
+from minisgl.kernel.triton import gemm as triton_ops
+from minisgl.kernel.triton.gemm import gdc_begin, rope_consts, rope_rows
 from minisgl.utils.device import HostRing
 
 from .base import AttnConfig, BaseAttnBackend

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from minisgl.kernel import triton_ops
+from minisgl.kernel.triton import gemm as triton_ops
 
 # (name, N, K, gated) of one layer's projections
 SHAPES = {

@@ -55,7 +55,7 @@ def _triton_ops():
     if not _TRITON_ENABLED:
         return None
     try:
-        from . import triton_ops
+        from .triton import gemm as triton_ops
     except ImportError:
         return None
     return triton_ops
