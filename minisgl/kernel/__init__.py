@@ -52,7 +52,7 @@ def use_triton(enabled: bool) -> None:
     _TRITON_ENABLED = enabled
 
 
-def _triton_ops():
+def _triton_kernels():
     """The Triton kernels (kernel/triton), or None when they are switched off or Triton is missing."""
     if not _TRITON_ENABLED:
         return None
@@ -74,7 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once.
     x may be a SplitAttention (decode attention not merged yet)."""
     if isinstance(x, SplitAttention):
-        ops = _triton_ops()
+        ops = _triton_kernels()
         if ops is not None and ops.gemv_merge_fits(x, weight):
             return ops.gemv_merged(x, weight, bias)
         x = x.merge()
@@ -125,7 +125,7 @@ def _cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """On a GPU: the Triton GEMV at one row and the Triton GEMM at 2..16 rows, where they beat cuBLAS
     (docs/BENCHMARKS.md); cuBLAS everywhere else."""
-    ops = _triton_ops()
+    ops = _triton_kernels()
     if ops is not None and ops.gemv_fits(x, weight):
         return ops.gemv(x, weight, bias)
     if ops is not None and ops.gemm_fits(x, weight):
@@ -137,7 +137,7 @@ def silu_and_mul_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """linear(silu_and_mul(x), W, b): the gated MLP's down projection, one kernel at GPU decode sizes."""
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and ops.gemv_fits(x, weight):
         return ops.gemv(x, weight, bias, gated=True)
     if ops is not None and ops.gemm_fits(x, weight, gated=True):
@@ -155,7 +155,7 @@ def add_rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm projection: h = x + residual (x when residual is None); returns (linear(rms_norm(h)), h).
     One kernel at GPU decode sizes; elsewhere the (fused) norm, then linear."""
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         if ops.gemv_fits(x, weight):
             return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
@@ -172,7 +172,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) as int32 for 2-D logits: a two-pass Triton kernel on a GPU (torch's single pass
     reads a large batch of vocabulary-wide rows far below the bandwidth: docs/BENCHMARKS.md), torch
     elsewhere."""
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
         return ops.argmax(x)
     return x.argmax(dim=-1).to(torch.int32)
@@ -181,7 +181,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and cpu.elementwise_ok(x, weight):
         return cpu.rms_norm(x, weight, eps)
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None:
         return ops.rms_norm(x, weight, eps)
     return ref.rms_norm(x, weight, eps)
@@ -192,7 +192,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 2 and cpu.elementwise_ok(x, residual, weight):
         return cpu.rms_norm(x, weight, eps, residual)
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None:
         return ops.fused_add_rms_norm(x, residual, weight, eps)
     return ref.fused_add_rms_norm(x, residual, weight, eps)
@@ -201,7 +201,7 @@ def fused_add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and cpu.elementwise_ok(x):
         return cpu.silu_and_mul(x)
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None:
         return ops.silu_and_mul(x)
     return ref.silu_and_mul(x)
@@ -218,7 +218,7 @@ def apply_rotary(
     the KV pool rows out_loc (one kernel on a GPU) and return (q, None)."""
     if cpu.elementwise_ok(q, k, cos_sin_cache) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
         return _then_store(*cpu.apply_rotary(q, k, positions, cos_sin_cache), kv_store)  # in place
-    ops = _triton_ops() if _on_gpu(q) else None
+    ops = _triton_kernels() if _on_gpu(q) else None
     if ops is not None:
         return ops.apply_rotary(q, k, positions, cos_sin_cache, kv_store)
     return _then_store(*ref.apply_rotary(q, k, positions, cos_sin_cache), kv_store)
@@ -236,7 +236,7 @@ def qk_norm_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over each head of q and k, then rotary (Qwen3): one kernel on a GPU; kv_store as in
     apply_rotary."""
-    ops = _triton_ops() if _on_gpu(q) else None
+    ops = _triton_kernels() if _on_gpu(q) else None
     if ops is not None:
         return ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store)
     return _then_store(*ref.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache), kv_store)
@@ -257,7 +257,7 @@ def store_kv(
 ) -> None:
     if cpu.elementwise_ok(k_cache, v_cache, k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
         return cpu.store_kv(k_cache, v_cache, out_loc, k, v)
-    ops = _triton_ops() if _on_gpu(k) else None
+    ops = _triton_kernels() if _on_gpu(k) else None
     if ops is not None:
         return ops.store_kv(k_cache, v_cache, out_loc, k, v)
     return ref.store_kv(k_cache, v_cache, out_loc, k, v)
