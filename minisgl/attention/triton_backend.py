@@ -80,7 +80,6 @@ class TritonAttnBackend(BaseAttnBackend):
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         super().__init__(config, kv_pool, page_table)
         assert config.num_heads % config.num_kv_heads == 0
-        self.group = config.num_heads // config.num_kv_heads
         on_gpu = config.device.type == "cuda"
         if on_gpu:
             self.num_sms = torch.cuda.get_device_properties(config.device).multi_processor_count
