@@ -31,6 +31,7 @@ openai = pytest.importorskip("openai")
 
 CONTEXT = 512
 SERVER_ARGS = ["--dtype", "float32", "--num-pages", "8192", "--max-seq-len-override", str(CONTEXT)]
+SERVER_ARGS += ["--served-model-name", "SmolLM2-135M-Instruct,m"]  # the tests' requests name model "m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CONCURRENT_PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
 
