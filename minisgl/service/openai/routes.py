@@ -305,12 +305,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> Response:
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        return error_response(
-            400, f"invalid '{where}': {first.get('msg', 'invalid request')}", "invalid_value"
-        )
+        first = (e.errors() or [{}])[0]
+        loc = [str(part) for part in first.get("loc", ())]
+        param = loc[-1] if loc else None  # loc[0] says where: "query", "path", "body"
+        message = f"invalid '{'.'.join(loc)}': {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_object(message, param, "invalid_value"), status_code=400)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception) -> Response:
