@@ -7,6 +7,7 @@ MINISGL_API_KEY); the error handlers and the key comparison are also driven in-p
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -17,10 +18,13 @@ from starlette.testclient import TestClient
 from test_server import Service, chat_ids, sse_events
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from minisgl.message import DetokenizeMsg, DetokenizeStartMsg
+from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, UserReply
 from minisgl.service.args import ServerArgs, parse_args
 from minisgl.service.openai import auth
-from minisgl.service.openai.routes import create_app
+from minisgl.service.openai.errors import SERVER_ERROR, FieldNames
+from minisgl.service.openai.render import Renderer
+from minisgl.service.openai.routes import Job, OpenAIServer, create_app
+from minisgl.service.openai.routing import ChoiceState
 from minisgl.tokenizer.detokenize import DetokenizeManager, TokenBytes
 from minisgl.utils.hf import load_tokenizer, resolve_model_path
 
@@ -200,6 +204,32 @@ def test_framework_validation_and_unexpected_exceptions_answer_error_objects_and
         assert_error_object(c.get("/bug"), 500, None, kind="server_error")
         assert c.get("/typed/3").json() == {"n": 3}
     assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_an_exception_while_streaming_ends_the_stream_with_a_server_error_event():
+    class BrokenRenderer(Renderer):
+        def stream_delta(self, c, reply, offset):
+            raise RuntimeError("a renderer bug")
+
+    class OneChoice:  # a Generation whose one choice has answered
+        done, closed = True, False
+
+        def close(self) -> None:
+            self.closed = True
+
+    server = OpenAIServer(ServerArgs(), 512, lambda: True)
+    job = Job(BrokenRenderer("m", "r"), [], [0], True, FieldNames("prompt"))
+    gen = OneChoice()
+    first = (ChoiceState(0, 0, 0), UserReply(0, text="hi"))
+
+    async def collect() -> list[bytes]:
+        return [chunk async for chunk in server._stream(gen, job, first)]
+
+    chunks = asyncio.run(collect())
+    assert sse_events(chunks[-1].decode().splitlines()) == [
+        {"error": {"message": SERVER_ERROR, "type": "server_error", "param": None, "code": None}}
+    ]
+    assert gen.closed  # whatever failed, the request's choices are aborted
 
 
 # ---- cached_tokens ----------------------------------------------------------------------------------------
