@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from test_server import Service, chat_ids, sse_events
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, UserReply
+from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, UserReply, dumps, loads
 from minisgl.service.args import ServerArgs, parse_args
 from minisgl.service.openai import auth
 from minisgl.service.openai.errors import SERVER_ERROR, FieldNames
@@ -302,6 +302,8 @@ def test_logprob_tokens_carry_their_real_bytes_even_inside_a_utf8_character(toke
     assert [lp.token for lp in lps] == [tokenizer.decode([t]) for t in ids]  # decoded alone, as OpenAI
     assert any("\ufffd" in lp.token for lp in lps), "the emoji should span several tokens"
     assert lps[0].top_bytes == [reference_bytes(tokenizer, ids[0]), reference_bytes(tokenizer, ids[1])]
+    back = loads(dumps(lps[1]))  # the bytes cross the process boundary as bytes
+    assert back.token_bytes == lps[1].token_bytes and back.top_bytes == lps[1].top_bytes
 
 
 def test_sentencepiece_byte_pieces_and_word_marks_become_their_bytes():
