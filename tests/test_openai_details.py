@@ -8,7 +8,11 @@ MINISGL_API_KEY); the error handlers and the key comparison are also driven in-p
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
 import time
 import uuid
 
@@ -143,6 +147,21 @@ def test_the_key_is_compared_in_constant_time(monkeypatch):
     assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 401
     assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
     assert compared == [(b"k2", b"k1"), (b"k1", b"k1")]
+
+
+@pytest.mark.parametrize("key_from", ["flag", "env"])
+def test_the_online_benchmark_client_sends_the_key(server, tmp_path, key_from):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "minisgl.benchmark.online", "--base-url", f"{server.url}/v1"]
+    cmd += ["--num-requests", "2", "--max-tokens", "2", "--warmup", "0", "--output-json", str(out)]
+    env = dict(os.environ, MINISGL_API_KEY=KEY) if key_from == "env" else dict(os.environ)
+    if key_from == "flag":
+        env.pop("MINISGL_API_KEY", None)
+        cmd += ["--api-key", KEY]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 2 and rep["model"] == NAMES[0]  # /v1/models answered with the key
 
 
 # ---- model names ------------------------------------------------------------------------------------------
