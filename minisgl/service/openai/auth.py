@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -45,7 +44,5 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = MISSING_KEY if not token else WRONG_KEY
-        response: Any = error_response(
-            401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-        )
+        response = error_response(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

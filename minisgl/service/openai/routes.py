@@ -170,6 +170,7 @@ class OpenAIServer:
 
     async def chat(self, request: Request, data: dict[str, Any]) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
+        model = self.model_name(req.model)
         messages = chat_messages(req)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
@@ -181,7 +182,7 @@ class OpenAIServer:
         self.frontend.metrics.requests.labels("chat").inc()
         msgs = [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop) for i in range(s.n)]
         renderer = ChatRenderer(
-            self.model_name(req.model),
+            model,
             f"chatcmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=bool(req.logprobs),
@@ -190,6 +191,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request, data: dict[str, Any]) -> Response:
         req: CompletionRequest = parse(CompletionRequest, data)
+        model = self.model_name(req.model)
         prompt_list = prompts(req.prompt, "prompt")
         if req.echo:
             raise APIError("'echo' is not supported", "echo", "unsupported_parameter")
@@ -200,7 +202,7 @@ class OpenAIServer:
         self.frontend.metrics.requests.labels("completions").inc()
         msgs, index = fan_out(prompt_list, s)
         renderer = CompletionRenderer(
-            self.model_name(req.model),
+            model,
             f"cmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=req.logprobs is not None,
