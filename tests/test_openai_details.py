@@ -18,8 +18,9 @@ import uuid
 
 import httpx
 import pytest
+from helpers import Service
 from starlette.testclient import TestClient
-from test_server import Service, chat_ids, sse_events
+from test_server import chat_ids, sse_events
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, UserReply, dumps, loads
