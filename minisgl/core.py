@@ -162,6 +162,7 @@ class Req:
     finish_reason: FinishReason | None = None
     max_total_len: int = 0  # prompt + max_tokens, capped by the model's maximum length
     arrival: int = 0  # admission order; the newest running request is retracted first
+    cached_prompt_len: int = 0  # prompt tokens the prefix cache held at first admission (usage reports it)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai")
 
 CONTEXT = 512
 SERVER_ARGS = ["--dtype", "float32", "--num-pages", "8192", "--max-seq-len-override", str(CONTEXT)]
+SERVER_ARGS += ["--served-model-name", "SmolLM2-135M-Instruct,m"]  # the tests' requests name model "m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CONCURRENT_PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
 
@@ -198,6 +199,8 @@ def test_streamed_chat_deltas_concatenate_to_the_non_streamed_text(server, clien
         "prompt_tokens": full.usage.prompt_tokens,
         "completion_tokens": full.usage.completion_tokens,
         "total_tokens": full.usage.total_tokens,
+        # the same prompt again: all of it but the token a match leaves to compute is in the prefix cache
+        "prompt_tokens_details": {"cached_tokens": full.usage.prompt_tokens - 1},
     }
     assert len([c for c in chunks if c["choices"][0]["delta"].get("content")]) > 3  # really streamed
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -137,7 +138,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     base = args.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64) + 8, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as http:
         model = args.model
         if model is None:
             model = (await http.get(f"{base}/models")).json()["data"][0]["id"]
@@ -237,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--base-url", default="http://127.0.0.1:1919/v1", help="the server's OpenAI API root")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MINISGL_API_KEY", ""),
+        help="sent as `Authorization: Bearer <key>` (default: $MINISGL_API_KEY)",
+    )
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument(
         "--concurrency", type=int, default=None, help="requests in flight (default 16 without a rate)"

@@ -10,12 +10,15 @@ from .serialize import serializable
 @serializable
 @dataclass
 class TokenLogprob:
-    """The sampled token's log-probability and the most likely alternatives, as text."""
+    """The sampled token's log-probability and the most likely alternatives: each as its text (the
+    tokenizer's decoding of it alone, U+FFFD where it holds part of a UTF-8 character) and its real bytes."""
 
     token: str
     token_id: int
     logprob: float
     top: list[tuple[str, int, float]] = field(default_factory=list)  # (token, token_id, logprob)
+    token_bytes: bytes = b""
+    top_bytes: list[bytes] = field(default_factory=list)  # the bytes of each `top` token, in its order
 
 
 @serializable
@@ -34,6 +37,7 @@ class UserReply:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # a rejected request: the message names the problem
     error_param: str | None = None  # and the field, by its generic name (`max_tokens`, `prompt`, ...)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
 
 @serializable

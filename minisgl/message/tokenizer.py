@@ -51,6 +51,7 @@ class DetokenizeMsg:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_param: str | None = None  # the rejected field, generic name (InvalidRequest.param)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the request was admitted
 
 
 @serializable

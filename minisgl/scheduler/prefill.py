@@ -103,8 +103,9 @@ class PrefillManager:
             req.table_idx = self.table.alloc()
             req.cached_len = req.device_len = cached
             if req.arrival == 0:  # first admission (not a resumed retraction)
+                req.cached_prompt_len = min(cached, req.prompt_len)
                 self.stats["prompt_tokens"] += req.prompt_len
-                self.stats["cached_prompt_tokens"] += min(cached, req.prompt_len)
+                self.stats["cached_prompt_tokens"] += req.cached_prompt_len
             self._arrivals += 1
             req.arrival = self._arrivals
             reserved += self._future_pages(req)

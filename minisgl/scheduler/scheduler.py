@@ -35,6 +35,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache (Req.cached_prompt_len)
 
 
 class Scheduler:
@@ -316,7 +317,7 @@ class Scheduler:
             token = tokens[j]
             req.token_ids.append(token)
             finish = self._finish_reason(req, token)
-            res = StepOutput(req.uid, token, finish is not None, finish)
+            res = StepOutput(req.uid, token, finish is not None, finish, cached_tokens=req.cached_prompt_len)
             if logprobs is not None and req.sampling_params.logprobs:
                 res.logprob = float(logprobs[0][j])
                 k = req.sampling_params.top_logprobs

@@ -19,7 +19,15 @@ class ServerArgs(SchedulerConfig):
     """Every option of the service: the scheduler's and the engine's (inherited) plus the service's own."""
 
     served_model_name: str = option(
-        "", help=f"the model name /v1/models reports (default: --model as given, or {DEFAULT_MODEL_NAME})"
+        "",
+        help="the model name /v1/models reports; several comma-separated names are aliases a request may "
+        f"use, the first is the one reported (default: --model as given, or {DEFAULT_MODEL_NAME})",
+    )
+    api_key: str = option(
+        "",
+        help="clients must send `Authorization: Bearer <key>` on every endpoint but /health "
+        "(default: $MINISGL_API_KEY; empty: no check)",
+        metavar="KEY",
     )
     host: str = option("127.0.0.1", help="the HTTP server's address")
     port: int = option(1919, help="the HTTP server's port", min=1, max=65535)
@@ -33,8 +41,21 @@ class ServerArgs(SchedulerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.served_model_name:
+        if not self.served_model_name.strip(", "):
             self.served_model_name = self.model_path.rstrip("/") if self.model_path else DEFAULT_MODEL_NAME
+        if not self.api_key:  # read here, not at import: a launcher may set it after importing minisgl
+            self.api_key = os.environ.get("MINISGL_API_KEY", "")
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request's `model` may use (--served-model-name split at commas); the first is the
+        one replies and /v1/models report."""
+        return list(dict.fromkeys(n.strip() for n in self.served_model_name.split(",") if n.strip()))
+
+    @property
+    def model_name(self) -> str:
+        """The name replies report."""
+        return self.model_names[0]
 
     # ---- where each process listens (ipc sockets in `ipc_dir`) -----------------------------------
     def _addr(self, name: str) -> str:

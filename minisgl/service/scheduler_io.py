@@ -94,7 +94,13 @@ class SchedulerIO:
                     self.live.discard(out.uid)
                 outputs.append(
                     DetokenizeMsg(
-                        out.uid, out.token_id, out.finished, out.finish_reason, out.logprob, out.top_logprobs
+                        out.uid,
+                        out.token_id,
+                        out.finished,
+                        out.finish_reason,
+                        out.logprob,
+                        out.top_logprobs,
+                        cached_tokens=out.cached_tokens,
                     )
                 )
         outputs, self.outbox = self.outbox + outputs, []

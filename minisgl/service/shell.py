@@ -98,7 +98,7 @@ def run_shell(args: ServerArgs, service: ServiceProcesses) -> int:
         prompt = PromptSession(history=InMemoryHistory()).prompt
     else:
         prompt = input
-    write(f"minisgl shell: {args.served_model_name}. /reset clears the conversation, /exit quits.\n")
+    write(f"minisgl shell: {args.model_name}. /reset clears the conversation, /exit quits.\n")
     try:
         while True:
             try:

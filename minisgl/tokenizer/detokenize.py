@@ -8,6 +8,7 @@ only a small window of its latest tokens, so the cost per token does not grow wi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,49 @@ from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, TokenLogprob, Use
 PROMPT_CONTEXT = (
     4  # last prompt tokens decoded before the first output token (word-boundary spaces come out right)
 )
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE table, inverted: the printable character a vocabulary writes for each byte ->
+    the byte (printable bytes stand for themselves, the other 68 for the characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1)]
+    printable += range(ord("\xae"), ord("\xff") + 1)
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+class TokenBytes:
+    """The bytes one token id stands for, from its vocabulary piece: byte-level BPE pieces through GPT-2's
+    table, SentencePiece's `<0xNN>` byte pieces and '\u2581' (a space); other tokenizers (and special
+    tokens) as the UTF-8 of the token decoded alone. A piece may hold part of a UTF-8 character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        # byte-level vocabularies hold "\u0120" (a space) and "\u010a" (a newline); SentencePiece "<0x0A>"
+        self.kind = "sentencepiece" if "<0x0A>" in vocab else "byte_level" if "\u010a" in vocab else "text"
+        self.added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}  # stored as text
+        self.table = _byte_level_decoder()
+        self.known: dict[int, bytes] = {}  # at most one entry per vocabulary id
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id not in self.known:
+            self.known[token_id] = self._bytes(token_id)
+        return self.known[token_id]
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = None if token_id in self.added else self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and self.kind == "byte_level" and all(c in self.table for c in piece):
+            return bytes(self.table[c] for c in piece)
+        if isinstance(piece, str) and self.kind == "sentencepiece":
+            m = _BYTE_TOKEN.fullmatch(piece)
+            return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
 
 
 @dataclass
@@ -29,6 +73,7 @@ class _DecodeState:
     prefix_offset: int = 0  # window start: decoded only as context for the next tokens
     read_offset: int = 0  # tokens before this are already in `text`
     text: str = ""  # complete output text so far
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (the scheduler says so with each token)
     sent: int = 0  # characters of `text` already sent
     max_stop: int = field(init=False)
 
@@ -47,6 +92,7 @@ class DetokenizeManager:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.states: dict[int, _DecodeState] = {}
         self.early: dict[int, list[DetokenizeMsg]] = {}  # tokens that outran their DetokenizeStartMsg
         self.dropped: set[int] = set()  # ended here (stop string); the scheduler's last message is ignored
@@ -100,7 +146,8 @@ class DetokenizeManager:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _step(self, uid: int, st: _DecodeState, msg: DetokenizeMsg) -> UserReply:
-        reply = UserReply(uid, prompt_tokens=st.prompt_len)
+        st.cached_tokens = msg.cached_tokens or st.cached_tokens
+        reply = UserReply(uid, prompt_tokens=st.prompt_len, cached_tokens=st.cached_tokens)
         if msg.error is not None:
             reply.finished, reply.finish_reason, reply.error = True, "error", msg.error
             reply.error_param = msg.error_param
@@ -169,4 +216,11 @@ class DetokenizeManager:
             return self.tokenizer.decode([t], skip_special_tokens=False)
 
         top = [(text(t), int(t), float(lp)) for t, lp in (msg.top_logprobs or [])]
-        return TokenLogprob(text(msg.token_id), msg.token_id, float(msg.logprob), top)
+        return TokenLogprob(
+            text(msg.token_id),
+            msg.token_id,
+            float(msg.logprob),
+            top,
+            token_bytes=self.token_bytes(msg.token_id),
+            top_bytes=[self.token_bytes(t) for _, t, _ in top],
+        )

@@ -10,13 +10,30 @@ from fastapi.responses import JSONResponse
 from minisgl.core import InvalidRequest
 
 
-def error_object(message: str, param: str | None, code: str | None) -> dict[str, Any]:
-    """The body of an OpenAI error (also sent as an SSE event when a stream fails midway)."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+def error_object(
+    message: str, param: str | None, code: str | None, kind: str = "invalid_request_error"
+) -> dict[str, Any]:
+    """The body of an OpenAI error (also sent as an SSE event when a stream fails midway); `kind` is its
+    `type`: `invalid_request_error` for the client's mistakes, `server_error` for ours."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    code: str | None = None,
+    kind: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An OpenAI error object with its HTTP status (the app's handlers for 401, 404, 405, 500, ...)."""
+    return JSONResponse(error_object(message, None, code, kind), status_code=status, headers=headers)
+
+
+SERVER_ERROR = "The server had an error while processing your request. Sorry about that!"  # OpenAI's words
 
 
 class APIError(Exception):
-    """A client mistake: HTTP 400 with an OpenAI-style error object naming the field."""
+    """A client mistake: HTTP 400 (or `status`) with an OpenAI-style error object naming the field."""
 
     def __init__(
         self, message: str, param: str | None = None, code: str | None = None, status: int = 400
@@ -26,6 +43,12 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_object(self.message, self.param, self.code), status_code=self.status)
+
+
+def model_not_found(name: str) -> APIError:
+    """OpenAI's answer to a model name the server does not serve (HTTP 404)."""
+    message = f"The model `{name}` does not exist or you do not have access to it."
+    return APIError(message, None, "model_not_found", status=404)
 
 
 class ClientGone(Exception):

@@ -22,16 +22,17 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
-    """Chat's `logprobs`: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    """Chat's `logprobs`: per token its text, logprob, real bytes (part of a UTF-8 character, for a token
+    that holds one) and the top alternatives."""
 
-    def entry(token: str, lp: float) -> dict[str, Any]:
-        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+    def entry(token: str, lp: float, raw: bytes | None) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode() if raw is None else raw)}
 
-    return {
-        "content": [
-            dict(entry(t.token, t.logprob), top_logprobs=[entry(s, lp) for s, _, lp in t.top]) for t in items
-        ]
-    }
+    def top(t: TokenLogprob) -> list[dict[str, Any]]:
+        raws = [*t.top_bytes, *[None] * (len(t.top) - len(t.top_bytes))]  # bytes only where known
+        return [entry(s, lp, raw) for (s, _, lp), raw in zip(t.top, raws)]
+
+    return {"content": [dict(entry(t.token, t.logprob, t.token_bytes), top_logprobs=top(t)) for t in items]}
 
 
 def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
@@ -182,6 +183,7 @@ class GenerateRenderer(Renderer):
         return {
             "id": c.uid,
             "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens,
             "completion_tokens": c.completion_tokens,
             "finish_reason": {"type": c.finish_reason} if finished else None,
         }

@@ -10,13 +10,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from minisgl.message import TokenizeMsg, UserReply
+from minisgl.utils import init_logger
 
 from ..args import ServerArgs
-from .errors import APIError, ClientGone, FieldNames, error_object
+from .auth import APIKeyMiddleware
+from .errors import (
+    SERVER_ERROR,
+    APIError,
+    ClientGone,
+    FieldNames,
+    error_object,
+    error_response,
+    model_not_found,
+)
 from .params import chat_messages, fan_out, prompts, sampling
 from .protocol import (
     ChatCompletionRequest,
@@ -28,6 +40,8 @@ from .protocol import (
 )
 from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
 from .routing import ChoiceState, FrontendManager, Generation
+
+logger = init_logger(__name__, "api")
 
 _rids = itertools.count()
 
@@ -54,6 +68,7 @@ class OpenAIServer:
 
     def __init__(self, args: ServerArgs, max_seq_len: int, health: Callable[[], bool]) -> None:
         self.args, self.max_seq_len, self.health = args, max_seq_len, health
+        self.created = int(time.time())
         self._frontend: FrontendManager | None = None
 
     @property
@@ -139,15 +154,23 @@ class OpenAIServer:
                 if (usage := r.stream_usage(gen)) is not None:
                     yield usage
             yield SSE_DONE
+        except Exception:  # a bug while streaming: the status is sent already, so the error is an event
+            logger.exception("error while streaming a response")
+            yield sse(error_object(SERVER_ERROR, None, None, "server_error"))
         finally:
             gen.close()
 
     # ---- the endpoints -------------------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
-        return requested or self.args.served_model_name
+        """The name a reply reports: the first served name, whichever alias the request used (an absent
+        `model` is allowed); a name the server does not serve is OpenAI's 404."""
+        if requested is not None and requested not in self.args.model_names:
+            raise model_not_found(requested)
+        return self.args.model_name
 
     async def chat(self, request: Request, data: dict[str, Any]) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
+        model = self.model_name(req.model)
         messages = chat_messages(req)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
@@ -159,7 +182,7 @@ class OpenAIServer:
         self.frontend.metrics.requests.labels("chat").inc()
         msgs = [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop) for i in range(s.n)]
         renderer = ChatRenderer(
-            self.model_name(req.model),
+            model,
             f"chatcmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=bool(req.logprobs),
@@ -168,6 +191,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request, data: dict[str, Any]) -> Response:
         req: CompletionRequest = parse(CompletionRequest, data)
+        model = self.model_name(req.model)
         prompt_list = prompts(req.prompt, "prompt")
         if req.echo:
             raise APIError("'echo' is not supported", "echo", "unsupported_parameter")
@@ -178,7 +202,7 @@ class OpenAIServer:
         self.frontend.metrics.requests.labels("completions").inc()
         msgs, index = fan_out(prompt_list, s)
         renderer = CompletionRenderer(
-            self.model_name(req.model),
+            model,
             f"cmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=req.logprobs is not None,
@@ -199,19 +223,22 @@ class OpenAIServer:
         s = sampling(sp, max_new, names, False, 0)
         self.frontend.metrics.requests.labels("generate").inc()
         msgs, index = fan_out(prompt_list, s)
-        renderer = GenerateRenderer(self.args.served_model_name, f"gen-{next(_rids)}")
+        renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
 
-    def v1_models(self) -> dict[str, Any]:
-        card = {
-            "id": self.args.served_model_name,
+    def model_card(self, name: str) -> dict[str, Any]:
+        """GET /v1/models/{name}: the card of one served name (an alias has its own card)."""
+        return {
+            "id": name,
             "object": "model",
-            "created": int(time.time()),
+            "created": self.created,
             "owned_by": "minisgl",
             "root": self.args.model_path,
             "max_model_len": self.max_seq_len,
         }
-        return {"object": "list", "data": [card]}
+
+    def v1_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card(n) for n in self.args.model_names]}
 
 
 def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True) -> FastAPI:
@@ -225,10 +252,19 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
         server.stop()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
+    add_error_handlers(app)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, key=args.api_key)
 
     @app.get("/v1/models")
     async def v1_models() -> dict[str, Any]:
         return server.v1_models()
+
+    @app.get("/v1/models/{name:path}")
+    async def v1_model(name: str) -> Response:
+        if name not in args.model_names:
+            return server.refuse(model_not_found(name))
+        return JSONResponse(server.model_card(name))
 
     @app.get("/health")
     async def health_check() -> Response:
@@ -252,3 +288,31 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
         return await server.guarded(request, server.generate)
 
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error status answers an OpenAI error object: starlette's own (404 unknown route, 405 wrong
+    method), FastAPI's validation of typed parameters (400, as OpenAI answers a bad request), and any
+    exception a handler did not expect (500; uvicorn logs its traceback and the server keeps serving)."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        if e.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"  # OpenAI's words
+        elif e.status_code == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}"
+        else:
+            message = str(e.detail)
+        return error_response(e.status_code, message, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
+        first = (e.errors() or [{}])[0]
+        loc = [str(part) for part in first.get("loc", ())]
+        param = loc[-1] if loc else None  # loc[0] says where: "query", "path", "body"
+        message = f"invalid '{'.'.join(loc)}': {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_object(message, param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> Response:
+        return error_response(500, SERVER_ERROR, kind="server_error")

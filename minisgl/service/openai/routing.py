@@ -106,6 +106,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV the prefix cache held at admission
     completion_tokens: int = 0
     first_token: float | None = None
     last_token: float | None = None
@@ -161,6 +162,7 @@ class Generation:
         c.token_ids += reply.token_ids
         c.logprobs += reply.logprobs or []
         c.prompt_tokens = reply.prompt_tokens or c.prompt_tokens
+        c.cached_tokens = reply.cached_tokens or c.cached_tokens
         c.completion_tokens = reply.completion_tokens or c.completion_tokens
         if reply.finished:
             self.unfinished.discard(c.uid)
@@ -171,13 +173,22 @@ class Generation:
                 self.metrics.prompt_tokens.inc(c.prompt_tokens)
                 self.metrics.e2e.observe(now - self.start)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's `usage`, with `prompt_tokens_details.cached_tokens` from the prefix cache."""
         prompts: dict[int, int] = {}
+        cached: dict[int, int] = {}
         for c in self.choices:  # n choices of one prompt count its tokens once, as OpenAI does
             prompts[c.prompt_index] = c.prompt_tokens
+            # the choice admitted first computed the prompt, the others found it cached: count the first
+            cached[c.prompt_index] = min(cached.get(c.prompt_index, c.cached_tokens), c.cached_tokens)
         prompt = sum(prompts.values())
         completion = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }
 
     def close(self) -> None:
         """Abort every choice still generating (the client is gone or the request failed)."""
