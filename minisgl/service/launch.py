@@ -36,9 +36,10 @@ class WorkerDied(RuntimeError):
 
 # ---- inside the worker processes ---------------------------------------------------------------------
 def _child_init(parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us
-    # the launcher's SIGTERM unwinds the worker, so its finalizers run: multiprocessing semaphores it
-    # created (tqdm's lock) are released, not reported as leaked when the service exits
+    # SIGINT is already ignored since the exec (the launcher ignores it while it starts us), so a Ctrl-C
+    # during the imports prints no KeyboardInterrupt; the launcher stops us with a SIGTERM, which unwinds
+    # the worker: its queues close and its finalizers run
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:  # die with the launcher, even if it is SIGKILLed
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -46,6 +47,11 @@ def _child_init(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
         os._exit(1)
+    # tqdm's default lock is a multiprocessing semaphore, useless under spawn; a worker that is killed
+    # before it unlinks it makes the resource tracker report it as leaked when the service exits
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
@@ -87,7 +93,10 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
         ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
     ack_queue.put((name, {"max_seq_len": scheduler.max_seq_len}))
-    io.run_forever()
+    try:
+        io.run_forever()
+    finally:
+        io.stop()
 
 
 def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> None:
@@ -165,8 +174,14 @@ class ServiceProcesses:
                     target=_run_tokenizer, args=(kw, self.ack_queue, pid), name=f"minisgl-{kw['worker_name']}"
                 )
             )
-        for p in self.procs:
-            p.start()
+        # a spawned worker inherits an ignored SIGINT through the exec, so a Ctrl-C during its imports
+        # (before _child_init) does not print a KeyboardInterrupt traceback
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         names = ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         logger.info(f"Started {len(self.procs)} worker processes: {names}")
 
@@ -247,11 +262,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class StopRequested(BaseException):
+    """SIGTERM in the launcher: unwinds like Ctrl-C's KeyboardInterrupt into the cleanup of `launch`."""
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds into the cleanup below
+    raise SystemExit(128 + signum)  # in a worker: unwinds it, its `finally` blocks close its queues
 
 
-def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
+def _on_launcher_sigterm(signum: int, frame: Any) -> None:
+    raise StopRequested
+
+
+class StartupError(Exception):
+    """A problem found before any worker starts: the launcher logs the message and exits with `code`."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound before any model work so that a busy one fails at once; uvicorn listens on
+    it once the workers are ready (until then a client is refused, not left hanging)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # as uvicorn does: a port whose old connections linger in TIME_WAIT is free (one that is listening
+    # is still refused)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(
+            f"cannot listen on {host}:{port}: {e.strerror} (another server may be using port {port}); "
+            "stop it or choose another port with --port",
+            code=1,
+        ) from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def check_model(model_dir: str) -> None:
+    """Refuse an architecture no model class implements, from config.json alone (before any weight loads)."""
+    import json
+
+    from minisgl.models import MODELS
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return  # the engine's own loading reports a missing or broken config
+    unknown = [a for a in archs[:1] if a not in MODELS]
+    if unknown:
+        raise StartupError(
+            f"{model_dir}: unsupported model architecture {unknown[0]!r}; "
+            f"supported: {', '.join(MODELS.names())}"
+        )
+
+
+def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
     import uvicorn  # imported while the workers load
 
     from .openai import create_app
@@ -278,21 +349,47 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
     logger.info(
         f"Serving {args.served_model_name} (context {max_seq_len}) on http://{args.host}:{args.port}/v1"
     )
-    server.run()
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then raises the signal again: it lands in
+    # `launch` as KeyboardInterrupt / StopRequested
+    try:
+        server.run(sockets=[sock])
+    except OSError as e:  # listen() failed: another server bound the port while the model loaded
+        logger.error(f"cannot listen on {args.host}:{args.port}: {e}; stop the other server or use --port")
+        return 1
     return 1 if service.failure else 0
 
 
-def launch(args: ServerArgs) -> int:
-    """Start the whole service and block until it stops; returns the exit code."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        from minisgl.utils.hf import resolve_model_path
+def _prepare(args: ServerArgs) -> tuple[ServerArgs, socket.socket | None]:
+    """Everything checked before a worker starts: the port first (instant), then the model (a .gguf is
+    converted here, once)."""
+    from minisgl.utils.hf import resolve_model_path
 
-        # once: a .gguf is converted here
-        args = replace(args, model_path=resolve_model_path(args.model_path))
-    except ValueError as e:
+    sock = None if args.shell else bind_port(args.host, args.port)
+    try:
+        try:
+            args = replace(args, model_path=resolve_model_path(args.model_path))
+        except ValueError as e:  # a path that does not exist, a hub id that does not resolve
+            raise StartupError(str(e)) from None
+        check_model(args.model_path)
+    except BaseException:  # Ctrl-C during a conversion too
+        if sock is not None:
+            sock.close()
+        raise
+    return args, sock
+
+
+def launch(args: ServerArgs) -> int:
+    """Start the whole service and block until it stops. Exit code: 0 after a stop asked for by SIGTERM or
+    Ctrl-C, 1 when a worker died or the port is busy, 2 for a bad model path or model."""
+    signal.signal(signal.SIGTERM, _on_launcher_sigterm)
+    try:
+        args, sock = _prepare(args)
+    except StartupError as e:
         logger.error(f"{e}")
-        return 2
+        return e.code
+    except (KeyboardInterrupt, StopRequested):
+        logger.info("Stopped before the service started")
+        return 0
     args = replace(args, ipc_dir=tempfile.mkdtemp(prefix="minisgl-"))
     if args.tp > 1:
         args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
@@ -304,23 +401,32 @@ def launch(args: ServerArgs) -> int:
     # shorter than a wake-up. W4 on 2 cores: 117 tok/s with no spin, 140 at 5,000, 126 at 100,000.
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
     service = ServiceProcesses(args)
+    code = 0
     try:
         service.start()
         if args.shell:
             from .shell import run_shell
 
             service.wait_ready()
-            return run_shell(args, service)
-        return _serve_http(args, service)
+            code = run_shell(args, service)
+        else:
+            code = _serve_http(args, service, sock)
     except WorkerDied as e:
         logger.error(f"{e}; shutting the service down")
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        code = 1
+    except (KeyboardInterrupt, StopRequested) as e:
+        signame = "SIGTERM" if isinstance(e, StopRequested) else "SIGINT"
+        logger.info(f"{signame} received; stopping the service")
     finally:
+        # a second Ctrl-C or SIGTERM must not cut the cleanup short (stop() is bounded: it kills stragglers)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         service.stop()
+        if sock is not None:
+            sock.close()
         shutil.rmtree(args.ipc_dir, ignore_errors=True)
         logger.info("All processes stopped")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
