@@ -47,6 +47,8 @@ def check_attn_name(spec: str) -> None:
     """Raise ValueError naming the known backends if `spec` (one name or `prefill,decode`) names another;
     cheap enough for option parsing, before any model work."""
     names = [n.strip() for n in spec.split(",")]
+    if all(n == "auto" or n in ATTN_BACKENDS for n in names) and len(names) <= 2:
+        return  # known without importing the optional backends (triton's import takes ~0.5 s)
     known = attn_backend_names()
     for name in names:
         if name in _NOT_BUILT and name not in ATTN_BACKENDS:

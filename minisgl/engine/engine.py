@@ -67,6 +67,8 @@ class Engine:
         self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
         self.max_seq_len = self._max_seq_len(hf_config)
 
+        if tp.is_primary():
+            logger.info(f"Building {self.model_config.architecture} ({self.dtype}) from {self.model_dir}")
         torch.manual_seed(config.seed)
         with torch.device(self.device):
             prev = torch.get_default_dtype()

@@ -74,9 +74,8 @@ def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
     )
 
 
-def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int) -> None:
-    _child_init(parent_pid)
-    name = f"scheduler-{rank}"
+def _start_scheduler(args: ServerArgs, rank: int, ack_queue: Any, name: str) -> Any:
+    """Build rank `rank`'s scheduler and its queues, then report ready (or the error) to the launcher."""
     try:
         from minisgl.scheduler import Scheduler
 
@@ -93,22 +92,35 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
         ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
     ack_queue.put((name, {"max_seq_len": scheduler.max_seq_len}))
+    return io
+
+
+def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int) -> None:
+    _child_init(parent_pid)
+    name = f"scheduler-{rank}"
     try:
-        io.run_forever()
-    finally:
-        io.stop()
+        io = _start_scheduler(args, rank, ack_queue, name)
+        try:
+            io.run_forever()
+        finally:
+            io.stop()
+    except SystemExit:
+        init_logger(__name__, name).info(f"{name} stopping")
+        raise
 
 
 def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> None:
     _child_init(parent_pid)
     from .tokenizer_worker import tokenize_worker
 
+    name = kwargs["worker_name"]
     try:
         tokenize_worker(ack_queue=ack_queue, **kwargs)
-    except SystemExit:  # stopped by the launcher
+    except SystemExit:  # stopped by the launcher (the worker closed its queues on the way out)
+        init_logger(__name__, name).info(f"{name} stopping")
         raise
     except BaseException as e:
-        ack_queue.put((kwargs["worker_name"], {"error": f"{type(e).__name__}: {e}"}))
+        ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
 
 
@@ -184,6 +196,10 @@ class ServiceProcesses:
             signal.signal(signal.SIGINT, previous)
         names = ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         logger.info(f"Started {len(self.procs)} worker processes: {names}")
+        # the workers are silent while they import torch (seconds on a busy machine)
+        logger.info(
+            f"Loading {self.args.model_path} in the scheduler; the service is up once every worker is ready"
+        )
 
     def _errors(self) -> list[str]:
         out = []
@@ -238,12 +254,15 @@ class ServiceProcesses:
 
         threading.Thread(target=loop, name="minisgl-watchdog", daemon=True).start()
 
-    def stop(self, timeout: float = 3.0) -> None:
-        """SIGTERM every worker, SIGKILL what is left after `timeout` seconds."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every worker, SIGKILL what is left after `timeout` seconds (a worker's interpreter takes
+        seconds to tear torch down on a busy machine; a killed one leaves its semaphores to be reported)."""
         self.stopping = True
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
+        running = [p for p in self.procs if p.is_alive()]
+        if running:
+            logger.info(f"Stopping {len(running)} worker processes")
+        for p in running:
+            p.terminate()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
