@@ -1,9 +1,14 @@
-"""The launcher: resolve the model once, spawn the workers, wait until each is ready, then serve.
+"""The launcher: check the options and the port, resolve the model once, spawn the workers, wait until each
+is ready, then serve.
 
 Processes: this one (API server or shell), one scheduler per TP rank, and the tokenizer side (one worker
 doing both with --num-tokenizer 0, else N tokenizers + 1 detokenizer). Workers are started with `spawn`
 (CUDA, threads and ZMQ contexts do not survive a fork), ignore Ctrl-C (the launcher stops them) and die
 with the launcher (PR_SET_PDEATHSIG). A worker that dies takes the whole service down with a message.
+
+Before any model work: the options (argparse, exit 2), the HTTP port (bound here and handed to uvicorn,
+exit 1 when busy), the model path and architecture (exit 2). SIGTERM and Ctrl-C stop the service quietly:
+uvicorn shuts down, every worker unwinds on a SIGTERM, exit status 0. A dead worker: exit status 1.
 """
 
 from __future__ import annotations
@@ -125,6 +130,45 @@ def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> N
 
 
 # ---- in the launcher ---------------------------------------------------------------------------------
+def _tokenizer_workers(a: ServerArgs) -> list[dict[str, Any]]:
+    """The keyword arguments of each tokenizer-side worker (one doing both, or N tokenizers + 1 detokenizer)."""
+    common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
+    if a.num_tokenizer == 0:
+        workers = [
+            dict(
+                common,
+                role="both",
+                worker_name="tokenizer",
+                recv_addr=a.detokenizer_addr,
+                recv_create=True,
+                frontend_addr=a.frontend_addr,
+            )
+        ]
+    else:
+        workers = [
+            dict(
+                common,
+                role="detokenizer",
+                worker_name="detokenizer",
+                recv_addr=a.detokenizer_addr,
+                recv_create=True,
+                frontend_addr=a.frontend_addr,
+            )
+        ]
+        workers += [
+            dict(
+                common,
+                role="tokenizer",
+                worker_name=f"tokenizer-{i}",
+                recv_addr=a.tokenizer_addr,
+                recv_create=False,
+                detokenizer_addr=a.detokenizer_addr,
+            )
+            for i in range(a.num_tokenizer)
+        ]
+    return workers
+
+
 class ServiceProcesses:
     """The worker processes: start, wait for their ready messages, watch them, stop them."""
 
@@ -146,41 +190,7 @@ class ServiceProcesses:
                     name=f"minisgl-scheduler-{rank}",
                 )
             )
-        common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
-        if a.num_tokenizer == 0:
-            workers = [
-                dict(
-                    common,
-                    role="both",
-                    worker_name="tokenizer",
-                    recv_addr=a.detokenizer_addr,
-                    recv_create=True,
-                    frontend_addr=a.frontend_addr,
-                )
-            ]
-        else:
-            workers = [
-                dict(
-                    common,
-                    role="detokenizer",
-                    worker_name="detokenizer",
-                    recv_addr=a.detokenizer_addr,
-                    recv_create=True,
-                    frontend_addr=a.frontend_addr,
-                )
-            ]
-            workers += [
-                dict(
-                    common,
-                    role="tokenizer",
-                    worker_name=f"tokenizer-{i}",
-                    recv_addr=a.tokenizer_addr,
-                    recv_create=False,
-                    detokenizer_addr=a.detokenizer_addr,
-                )
-                for i in range(a.num_tokenizer)
-            ]
-        for kw in workers:
+        for kw in _tokenizer_workers(a):
             self.procs.append(
                 self.ctx.Process(
                     target=_run_tokenizer, args=(kw, self.ack_queue, pid), name=f"minisgl-{kw['worker_name']}"
@@ -198,7 +208,7 @@ class ServiceProcesses:
         logger.info(f"Started {len(self.procs)} worker processes: {names}")
         # the workers are silent while they import torch (seconds on a busy machine)
         logger.info(
-            f"Loading {self.args.model_path} in the scheduler; the service is up once every worker is ready"
+            f"Loading {self.args.model_path}: the workers import torch, then the scheduler builds the model"
         )
 
     def _errors(self) -> list[str]:
