@@ -142,6 +142,20 @@ def test_ctrl_c_to_the_process_group_stops_every_process_quietly_with_status_0(t
         s.kill()
 
 
+def test_ctrl_c_while_the_workers_load_stops_every_process_quietly(tmp_path):
+    s = Launched(SERVER_ARGS, tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "Started 2 worker processes" not in s.output():  # the workers now import torch and load
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.output()
+            time.sleep(0.1)
+        code, out = s.stop_by(lambda pid: os.killpg(pid, signal.SIGINT))
+        assert "Serving" not in out  # it was stopped during the start, not after
+        _assert_quiet_stop(code, out, "SIGINT")
+    finally:
+        s.kill()
+
+
 @pytest.mark.parametrize(
     "args,flag,names",
     [

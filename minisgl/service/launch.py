@@ -459,7 +459,12 @@ def launch(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launch(parse_args(argv))
+    """`python -m minisgl`: parse the command line (a bad option exits 2, argparse's way) and launch."""
+    try:
+        args = parse_args(argv)
+    except KeyboardInterrupt:  # a name check may import an optional backend: a Ctrl-C then stops quietly
+        return 0
+    return launch(args)
 
 
 if __name__ == "__main__":
