@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HFReference, assert_all_kv_free, assert_tokens_equal_hf, make_llm
+from helpers import HFReference, assert_all_kv_free, assert_tokens_equal_hf, make_llm
 
 from minisgl.core import SamplingParams
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_SPECS, build_tiny_model, make_llm, random_prompt
+from helpers import TINY_SPECS, build_tiny_model, make_llm, random_prompt
 
 from minisgl.core import SamplingParams
 

@@ -29,31 +29,31 @@ def _randn(*shape, dtype=torch.bfloat16, scale=1.0):
 # ---- elementwise kernels ---------------------------------------------------------------------------------
 def test_norms_and_silu_match_reference_at_model_shapes():
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(0)
     x, res, w = _randn(4096, 4096), _randn(4096, 4096), _randn(4096)
     torch.testing.assert_close(
-        triton_ops.rms_norm(x, w, 1e-6).float(), ref.rms_norm(x, w, 1e-6).float(), **BF16_TOL
+        triton_kernels.rms_norm(x, w, 1e-6).float(), ref.rms_norm(x, w, 1e-6).float(), **BF16_TOL
     )
     want, want_res = ref.fused_add_rms_norm(x, res.clone(), w, 1e-6)
-    got, got_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-6)
+    got, got_res = triton_kernels.fused_add_rms_norm(x, res, w, 1e-6)
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
     torch.testing.assert_close(got_res.float(), want_res.float(), **BF16_TOL)
     q = _randn(4096, 16, 128)  # Qwen3's per-head q norm
     torch.testing.assert_close(
-        triton_ops.rms_norm(q, w[:128], 1e-6).float(), ref.rms_norm(q, w[:128], 1e-6).float(), **BF16_TOL
+        triton_kernels.rms_norm(q, w[:128], 1e-6).float(), ref.rms_norm(q, w[:128], 1e-6).float(), **BF16_TOL
     )
     gate_up = _randn(4096, 2 * 14336)
     torch.testing.assert_close(
-        triton_ops.silu_and_mul(gate_up).float(), ref.silu_and_mul(gate_up).float(), **BF16_TOL
+        triton_kernels.silu_and_mul(gate_up).float(), ref.silu_and_mul(gate_up).float(), **BF16_TOL
     )
 
 
 @pytest.mark.parametrize("rot_dim", [128, 64])
 def test_rotary_matches_reference_at_model_shapes(rot_dim):
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
     from minisgl.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def test_rotary_matches_reference_at_model_shapes(rot_dim):
     q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
     positions = torch.randint(0, 32768, (T,), device="cuda", dtype=torch.int32)
     for got, want in zip(
-        triton_ops.apply_rotary(q, k, positions, cache), ref.apply_rotary(q, k, positions, cache)
+        triton_kernels.apply_rotary(q, k, positions, cache), ref.apply_rotary(q, k, positions, cache)
     ):
         torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
 
@@ -71,7 +71,7 @@ def test_rotary_matches_reference_at_model_shapes(rot_dim):
 def test_qk_norm_rotary_matches_reference_at_model_shapes():
     """Qwen3-0.6B heads (16 q, 8 kv, head_dim 128) at decode (1 token) and prefill (4096 tokens)."""
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
     from minisgl.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def test_qk_norm_rotary_matches_reference_at_model_shapes():
         qkv = _randn(T, (Hq + 2 * Hk) * D)
         q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
         positions = torch.randint(0, 40960, (T,), device="cuda", dtype=torch.int32)
-        got = triton_ops.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
+        got = triton_kernels.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
         want = ref.qk_norm_rotary(q.float(), k.float(), q_w.float(), k_w.float(), 1e-6, positions, cache)
         for g, w in zip(got, want):
             torch.testing.assert_close(g.float(), w, **BF16_TOL)
@@ -104,7 +104,7 @@ GEMV_SHAPES = [
 def test_gemv_matches_float32_linear_at_model_shapes(n, k):
     """One row, with and without bias, plain (from a strided row) and gated (silu_and_mul input)."""
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(n + k)
     w, b = _randn(n, k, scale=k**-0.5), _randn(n)
@@ -113,7 +113,7 @@ def test_gemv_matches_float32_linear_at_model_shapes(n, k):
         for gated in (False, True):
             inp = ref.silu_and_mul(x) if gated else x[:, :k]
             want = torch.nn.functional.linear(inp.float(), w.float(), None if bias is None else bias.float())
-            got = triton_ops.gemv(x if gated else x[:, :k], w, bias, gated=gated)
+            got = triton_kernels.gemv(x if gated else x[:, :k], w, bias, gated=gated)
             rel = ((got.float() - want).norm() / want.norm()).item()
             assert got.shape == (1, n) and rel < 1e-2, f"bias={bias is not None} gated={gated}: {rel:.3g}"
 
@@ -121,11 +121,11 @@ def test_gemv_matches_float32_linear_at_model_shapes(n, k):
 @pytest.mark.parametrize("n,k", GEMV_SHAPES)
 def test_gemv_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
     """The pre-norm projection of one row: h = x + residual exactly, and rms_norm(h) W^T + b."""
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(n + k + 1)
     w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), 1 + 0.1 * _randn(k)
-    _check_add_rms_norm_linear(triton_ops.gemv_add_rms_norm, _randn(1, k), _randn(1, k), nw, w, b)
+    _check_add_rms_norm_linear(triton_kernels.gemv_add_rms_norm, _randn(1, k), _randn(1, k), nw, w, b)
 
 
 def _check_add_rms_norm_linear(fn, x, residual, nw, w, b) -> None:
@@ -148,7 +148,7 @@ def test_gemm_matches_float32_linear_at_model_shapes(n, k):
     gated; a second call gives the same bits (split-K sums its parts in a fixed order and resets its
     counters)."""
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(n + k)
     w, b = _randn(n, k, scale=k**-0.5), _randn(n)
@@ -157,38 +157,38 @@ def test_gemm_matches_float32_linear_at_model_shapes(n, k):
         for bias, gated in ((None, False), (b, True), (b, False)):
             inp = ref.silu_and_mul(x) if gated else x[:, :k]
             want = torch.nn.functional.linear(inp.float(), w.float(), None if bias is None else bias.float())
-            assert triton_ops.gemm_fits(x if gated else x[:, :k], w, gated) == (m <= 16)
-            got = triton_ops.gemm(x if gated else x[:, :k], w, bias, gated=gated)
+            assert triton_kernels.gemm_fits(x if gated else x[:, :k], w, gated) == (m <= 16)
+            got = triton_kernels.gemm(x if gated else x[:, :k], w, bias, gated=gated)
             rel = ((got.float() - want).norm() / want.norm()).item()
             assert got.shape == (m, n) and rel < 1e-2, (
                 f"m={m} bias={bias is not None} gated={gated}: {rel:.3g}"
             )
-            assert torch.equal(triton_ops.gemm(x if gated else x[:, :k], w, bias, gated=gated), got)
+            assert torch.equal(triton_kernels.gemm(x if gated else x[:, :k], w, bias, gated=gated), got)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)])
 def test_gemm_add_rms_norm_matches_norm_then_linear_at_model_shapes(n, k):
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(n + k)
     w, b, nw = _randn(n, k, scale=k**-0.5), _randn(n), _randn(k)
     for m in (2, 9, 16):
-        _check_add_rms_norm_linear(triton_ops.gemm_add_rms_norm, _randn(m, k), _randn(m, k), nw, w, b)
+        _check_add_rms_norm_linear(triton_kernels.gemm_add_rms_norm, _randn(m, k), _randn(m, k), nw, w, b)
 
 
 @pytest.mark.parametrize("rows", [1, 37, 256])
 def test_argmax_equals_torch_over_a_vocabulary(rows):
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(rows)
     x = _randn(rows, 151936)
     x[0, 7] = x[0, 150000] = 100.0  # a tie: the first index
-    assert torch.equal(triton_ops.argmax(x), x.argmax(dim=-1).int())
+    assert torch.equal(triton_kernels.argmax(x), x.argmax(dim=-1).int())
 
 
 def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     from minisgl.kernel import reference as ref
-    from minisgl.kernel import triton_ops
+    from minisgl.kernel import triton as triton_kernels
 
     torch.manual_seed(0)
     T, H, D, slots = 8192, 8, 128, 2_200_000  # slot * row size exceeds int32: the kernel indexes in int64
@@ -200,7 +200,7 @@ def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
     loc[0] = slots - 1
     k_want, v_want = k_cache.clone(), v_cache.clone()
     ref.store_kv(k_want, v_want, loc, k, v)
-    triton_ops.store_kv(k_cache, v_cache, loc, k, v)
+    triton_kernels.store_kv(k_cache, v_cache, loc, k, v)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
 
 
@@ -243,6 +243,7 @@ def _batch(phase, table, prefix_lens, extend_lens):
 def _compare_backends(config, pool, table, batch):
     from minisgl.attention.torch_backend import TorchAttnBackend
     from minisgl.attention.triton_backend import TritonAttnBackend
+    from minisgl.kernel import SplitAttention
 
     T = batch.num_tokens
     q = _randn(T, config.num_heads, config.head_dim)
@@ -250,6 +251,8 @@ def _compare_backends(config, pool, table, batch):
     triton_backend = TritonAttnBackend(config, pool, table)
     triton_backend.prepare_metadata(batch)
     got = triton_backend.forward(q, k, v, 0, batch)
+    if isinstance(got, SplitAttention):  # one request in several splits: the plan leaves the merge to o_proj
+        got = got.merge().view(q.shape)
     torch_backend = TorchAttnBackend(config, pool, table)
     torch_backend.prepare_metadata(batch)
     want = torch_backend.forward(q, k, v, 0, batch)

@@ -10,7 +10,7 @@ import shutil
 import weakref
 
 import pytest
-from conftest import (
+from helpers import (
     TINY_SPECS,
     HFReference,
     assert_all_kv_free,

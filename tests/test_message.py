@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
+import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -32,8 +33,13 @@ from minisgl.message import (
 zmq_queue = pytest.importorskip("minisgl.service.zmq_queue")
 
 
-def _addr(name: str) -> str:
-    return f"ipc://{tempfile.gettempdir()}/minisgl-test-{os.getpid()}-{name}-{time.monotonic_ns()}"
+@pytest.fixture
+def ipc_addr() -> Iterator[Callable[[str], str]]:
+    """name -> a fresh ipc address; ZMQ leaves a socket's file behind when it closes, so their directory
+    is removed afterwards."""
+    ipc_dir = tempfile.mkdtemp(prefix="minisgl-test-")
+    yield lambda name: f"ipc://{ipc_dir}/{name}"
+    shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def test_every_message_type_round_trips_with_its_fields():
@@ -138,8 +144,8 @@ def test_unregistered_classes_are_refused_both_ways():
         loads(forged)
 
 
-def test_push_pull_delivers_in_order_and_get_all_drains():
-    addr = _addr("pp")
+def test_push_pull_delivers_in_order_and_get_all_drains(ipc_addr):
+    addr = ipc_addr("pp")
     pull = zmq_queue.ZmqPullQueue(addr, create=True, decoder=loads)
     push = zmq_queue.ZmqPushQueue(addr, create=False, encoder=dumps)
     try:
@@ -155,9 +161,9 @@ def test_push_pull_delivers_in_order_and_get_all_drains():
         pull.stop()
 
 
-def test_async_queues_round_trip():
+def test_async_queues_round_trip(ipc_addr):
     async def main():
-        addr = _addr("async")
+        addr = ipc_addr("async")
         pull = zmq_queue.ZmqAsyncPullQueue(addr, create=True, decoder=loads)
         push = zmq_queue.ZmqAsyncPushQueue(addr, create=False, encoder=dumps)
         try:
@@ -182,8 +188,8 @@ def _subscriber(addr: str, out: mp.Queue) -> None:
     sub.stop()
 
 
-def test_pub_waits_for_late_subscribers_so_no_message_is_lost():
-    addr = _addr("pub")
+def test_pub_waits_for_late_subscribers_so_no_message_is_lost(ipc_addr):
+    addr = ipc_addr("pub")
     pub = zmq_queue.ZmqPubQueue(addr, encoder=dumps)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -201,8 +207,8 @@ def test_pub_waits_for_late_subscribers_so_no_message_is_lost():
         pub.stop()
 
 
-def test_pub_wait_times_out_without_subscribers():
-    pub = zmq_queue.ZmqPubQueue(_addr("lonely"), encoder=dumps)
+def test_pub_wait_times_out_without_subscribers(ipc_addr):
+    pub = zmq_queue.ZmqPubQueue(ipc_addr("lonely"), encoder=dumps)
     try:
         with pytest.raises(TimeoutError, match="0 of 1"):
             pub.wait_for_subscribers(1, timeout=0.2)
@@ -210,8 +216,8 @@ def test_pub_wait_times_out_without_subscribers():
         pub.stop()
 
 
-def test_sub_in_a_thread_receives_after_subscribing():
-    addr = _addr("thread")
+def test_sub_in_a_thread_receives_after_subscribing(ipc_addr):
+    addr = ipc_addr("thread")
     pub = zmq_queue.ZmqPubQueue(addr, encoder=dumps)
     got = []
 

@@ -8,7 +8,7 @@ together equal Hugging Face; each prompt alone equals the batched result; every 
 from __future__ import annotations
 
 import pytest
-from conftest import (
+from helpers import (
     ARCH_NAMES,
     TINY_SPECS,
     assert_all_kv_free,

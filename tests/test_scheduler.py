@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     TINY_SPECS,
     assert_all_kv_free,
     assert_tokens_equal_hf,

@@ -11,18 +11,16 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import torch
+from helpers import Service, metrics, wait_idle
 
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.utils.hf import load_tokenizer, resolve_model_path
@@ -35,96 +33,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CONCURRENT_PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
 
 
-# ---- a service in a subprocess -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Service:
-    """`python -m minisgl` in its own session, logging to a file."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 - open for the service's whole life
-        full_env = dict(os.environ, MINISGL_STRICT_INTEGRITY="1", **(env or {}))
-        # one compute thread: on a 2-core machine shared with the test client (and maybe other jobs), two
-        # spinning OpenMP threads slow every step down several times
-        full_env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minisgl", "--port", str(self.port), *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the service exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the service did not start:\n{self.log_text()[-3000:]}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def workers(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children(recursive=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:  # never leave anything behind, whatever the test did
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        k: float(v)
-        for k, v in re.findall(r"^(minisgl_\w+(?:\{[^}]*\})?) ([-+\d.e]+|NaN)$", text, re.MULTILINE)
-    }
-
-
 def aborting(service: Service) -> int:
     """How many requests the API server aborted because their client went away (from its log)."""
     return len(re.findall(r"Aborting request \d+", service.log_text()))
-
-
-def wait_idle(url: str, after_checks: float, timeout: float = 60) -> dict[str, float]:
-    """Metrics once the scheduler went idle and ran its integrity check (after `after_checks` earlier ones)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if (
-            m.get("minisgl_integrity_checks", 0) > after_checks
-            and m.get("minisgl_num_requests_running") == 0
-            and m.get("minisgl_num_requests_waiting") == 0
-        ):
-            return m
-        assert time.monotonic() < deadline, f"the scheduler never went idle: {m}"
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,11 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -24,13 +26,22 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[=>]|\r")
 
 
 class Terminal:
-    """A child process on a pty; `expect` reads its screen output (escape codes stripped)."""
+    """A child process on a pty; `expect` reads its screen output (escape codes stripped). The child gets
+    a temporary directory of its own (the service's ZMQ sockets live there), removed by `close`."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.tmp_dir = tempfile.mkdtemp(prefix="minisgl-shell-")
+        env = dict(env, TMPDIR=self.tmp_dir)
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen(
-            argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True, close_fds=True
-        )
+        # A terminal's foreground job takes Ctrl-C by default. A background job (`pytest ... &`) ignores
+        # SIGINT and a child inherits an ignored signal, but not a handled one: handle it while starting.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True, close_fds=True
+            )
+        finally:
+            signal.signal(signal.SIGINT, previous)
         os.close(slave)
         self.raw = ""
         self.seen = 0  # how much of the text `expect` has consumed
@@ -71,6 +82,7 @@ class Terminal:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         os.close(self.master)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 def test_shell_streams_a_multi_turn_chat_resets_and_exits_cleanly():
@@ -120,5 +132,7 @@ def test_shell_streams_a_multi_turn_chat_resets_and_exits_cleanly():
         assert term.proc.wait(30) == 0
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive, f"processes left behind: {alive}"
+        left = [n for n in os.listdir(term.tmp_dir) if n.startswith("minisgl-")]
+        assert left == [], left  # the launcher removed its ZMQ sockets and their directory
     finally:
         term.close()

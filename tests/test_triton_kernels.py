@@ -3,6 +3,7 @@
 Without CUDA they run on CPU tensors under TRITON_INTERPRET=1 (small tiles, so short sequences still cross
 several tiles and splits); on a CUDA host the same tests run the compiled kernels on the GPU."""
 
+import dataclasses
 import math
 import os
 
@@ -19,7 +20,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.kernel import reference as ref
-from minisgl.kernel import triton_ops
+from minisgl.kernel import triton as triton_kernels
 from minisgl.kvcache.pool import KVPool
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -40,7 +41,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("shape", [(7, 40), (5, 3, 24), (1, 64)])
 def test_rms_norm_matches_reference(shape, dtype):
     x, w = _randn(*shape, dtype=dtype), _randn(shape[-1], dtype=dtype, seed=1)
-    _close(triton_ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+    _close(triton_kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
 
 
 def test_rms_norm_reads_strided_rows():
@@ -48,7 +49,7 @@ def test_rms_norm_reads_strided_rows():
     qkv = _randn(6, 100)
     q = qkv[:, :40]
     w = _randn(40, seed=1)
-    _close(triton_ops.rms_norm(q, w, 1e-5), ref.rms_norm(q, w, 1e-5), torch.float32)
+    _close(triton_kernels.rms_norm(q, w, 1e-5), ref.rms_norm(q, w, 1e-5), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,7 +60,7 @@ def test_fused_add_rms_norm_matches_reference(dtype):
         _randn(72, dtype=dtype, seed=2),
     )
     want_out, want_res = ref.fused_add_rms_norm(x, res.clone(), w, 1e-6)
-    out, new_res = triton_ops.fused_add_rms_norm(x, res, w, 1e-6)
+    out, new_res = triton_kernels.fused_add_rms_norm(x, res, w, 1e-6)
     _close(out, want_out, dtype)
     _close(new_res, want_res, dtype)
 
@@ -68,7 +69,7 @@ def test_fused_add_rms_norm_matches_reference(dtype):
 @pytest.mark.parametrize("rows,width", [(6, 37), (3, 1500)])
 def test_silu_and_mul_matches_reference(rows, width, dtype):
     x = _randn(rows, 2 * width, dtype=dtype)
-    _close(triton_ops.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+    _close(triton_kernels.silu_and_mul(x), ref.silu_and_mul(x), dtype)
 
 
 @pytest.mark.parametrize("rot_dim", [24, 16])  # 16 < head_dim: partial rotary leaves the tail unchanged
@@ -80,7 +81,7 @@ def test_apply_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
     k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
     cache = _randn(100, rot_dim, seed=3)
     positions = torch.tensor([0, 5, 99, 17, 17, 42], dtype=torch.int32, device=DEVICE)
-    q_out, k_out = triton_ops.apply_rotary(q, k, positions, cache)
+    q_out, k_out = triton_kernels.apply_rotary(q, k, positions, cache)
     q_ref, k_ref = ref.apply_rotary(q, k, positions, cache)
     _close(q_out, q_ref, dtype)
     _close(k_out, k_ref, dtype)
@@ -97,7 +98,7 @@ def test_qk_norm_rotary_matches_reference_on_qkv_views(rot_dim, dtype):
     q_w, k_w = _randn(D, dtype=dtype, seed=1), _randn(D, dtype=dtype, seed=2)
     cache = _randn(100, rot_dim, seed=3)
     positions = torch.tensor([0, 5, 99, 17, 42], dtype=torch.int32, device=DEVICE)
-    got = triton_ops.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
+    got = triton_kernels.qk_norm_rotary(q, k, q_w, k_w, 1e-6, positions, cache)
     # against float32 arithmetic: the bf16 reference rounds each rotary product, and where the two
     # products cancel that rounding alone exceeds the tolerance
     want = ref.qk_norm_rotary(q.float(), k.float(), q_w.float(), k_w.float(), 1e-6, positions, cache)
@@ -122,7 +123,7 @@ def test_rotary_with_kv_store_writes_the_rotated_k_and_v_into_the_pool_rows_only
     k_cache, v_cache = _randn(slots, Hk, D, dtype=dtype, seed=4), _randn(slots, Hk, D, dtype=dtype, seed=5)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     weights = (q_w, k_w, 1e-6) if norm else ()
-    rotate = triton_ops.qk_norm_rotary if norm else triton_ops.apply_rotary
+    rotate = triton_kernels.qk_norm_rotary if norm else triton_kernels.apply_rotary
     want_q, want_k = rotate(q, k, *weights, positions, cache)
     got_q, got_k = rotate(q, k, *weights, positions, cache, kv_store=(k_cache, v_cache, out_loc, v))
     assert got_k is None
@@ -153,7 +154,7 @@ def test_gemv_matches_linear(tiles, dtype, bias):
     x = _randn(1, 64, dtype=dtype)[:, :40]
     w, b = _randn(37, 40, dtype=dtype, seed=1), _randn(37, dtype=dtype, seed=2) if bias else None
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    _close_norm(triton_ops.gemv(x, w, b, tiles=tiles), want, dtype)
+    _close_norm(triton_kernels.gemv(x, w, b, tiles=tiles), want, dtype)
 
 
 @pytest.mark.parametrize("tiles", GEMV_TILES)
@@ -162,7 +163,7 @@ def test_gated_gemv_matches_silu_and_mul_then_linear(tiles, dtype):
     x, w = _randn(1, 80, dtype=dtype), _randn(37, 40, dtype=dtype, seed=1)
     # the activation rounds to dtype as in the reference; the product itself is checked in float32
     want = torch.nn.functional.linear(ref.silu_and_mul(x).float(), w.float())
-    _close_norm(triton_ops.gemv(x, w, gated=True, tiles=tiles), want, dtype)
+    _close_norm(triton_kernels.gemv(x, w, gated=True, tiles=tiles), want, dtype)
 
 
 @pytest.mark.parametrize("tiles", GEMV_TILES)
@@ -177,7 +178,7 @@ def test_gemv_add_rms_norm_matches_norm_then_linear(tiles, dtype, with_residual)
         _randn(37, 40, dtype=dtype, seed=3),
         _randn(37, dtype=dtype, seed=4),
     )
-    y, h = triton_ops.gemv_add_rms_norm(x, residual, nw, 1e-6, w, b, tiles=tiles)
+    y, h = triton_kernels.gemv_add_rms_norm(x, residual, nw, 1e-6, w, b, tiles=tiles)
     want_h = x if residual is None else residual + x
     _close(h, want_h, dtype)  # the interpreter's float32 -> bf16 cast may round differently from torch's
     # the normalised input rounds to dtype as in the reference; the product itself is checked in float32
@@ -204,13 +205,14 @@ def test_gemv_merged_equals_merging_the_splits_then_linear(tiles, bias):
     merged = (weights[:, :, None] * mid_o[0, :, :4]).sum(1).to(torch.bfloat16).view(1, -1)
     want = torch.nn.functional.linear(merged.float(), w.float(), None if b is None else b.float())
     parts = SplitAttention(mid_o, mid_lse, seq_lens, S, 16, torch.bfloat16, lambda: None)
-    assert triton_ops.gemv_merge_fits(parts, w)
-    _close_norm(triton_ops.gemv_merged(parts, w, b, tiles=tiles), want, torch.bfloat16)
+    assert triton_kernels.gemv_merge_fits(parts, w)
+    _close_norm(triton_kernels.gemv_merged(parts, w, b, tiles=tiles), want, torch.bfloat16)
 
 
-def test_decode_defers_the_merge_of_one_request_to_linear():
-    """defer_merge at batch size 1 with several splits: a SplitAttention, and kernel.linear of it equals
-    linear of the merged output (float32: through the merge kernel, bit for bit)."""
+def test_decode_of_one_request_in_several_splits_leaves_the_merge_to_linear():
+    """One request in several splits: the plan says merge_in_o_proj, forward returns a SplitAttention, and
+    kernel.linear of it equals linear of the merged output that the same batch gives without that fusion
+    (float32: through the merge kernel, bit for bit). Several requests keep the merge in attention."""
     from minisgl import kernel
     from minisgl.kernel import SplitAttention
 
@@ -219,23 +221,32 @@ def test_decode_defers_the_merge_of_one_request_to_linear():
     backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
     backend.num_sms = 1000  # one split per key block
     backend.prepare_metadata(batch)
+    plan = backend.fusion_plan(batch)
+    assert plan.rope_in_attention and plan.merge_in_o_proj
     q = _randn(1, 4, HEAD_DIM, seed=7)
     k, v = _randn(1, 2, HEAD_DIM, seed=8), _randn(1, 2, HEAD_DIM, seed=9)
     w = _randn(11, 4 * HEAD_DIM, seed=10)
-    want = backend.forward(q, k, v, 0, batch).view(1, -1)
-    parts = backend.forward(q, k, v, 0, batch, defer_merge=True)
+    parts = backend.forward(q, k, v, 0, batch)
     assert isinstance(parts, SplitAttention) and parts.num_splits > 1
+    batch.attn_metadata.plan = dataclasses.replace(plan, merge_in_o_proj=False)
+    want = backend.forward(q, k, v, 0, batch).view(1, -1)
     assert torch.equal(kernel.linear(parts, w), kernel.linear(want, w))
+    two = PagedSetup(4, 4, 2, [70, 9])
+    pair = two.batch("decode", [69, 8], [1, 1])
+    backend = TritonAttnBackend(two.config, two.pool, two.page_table)
+    backend.num_sms = 1000
+    backend.prepare_metadata(pair)
+    assert pair.attn_metadata.num_splits > 1 and not backend.fusion_plan(pair).merge_in_o_proj
 
 
 def test_gemv_serves_one_half_precision_row_only():
     w = torch.empty(8, 16, dtype=torch.bfloat16)
-    assert triton_ops.gemv_fits(torch.empty(1, 16, dtype=torch.bfloat16), w)
-    assert triton_ops.gemv_fits(torch.empty(1, 16, dtype=torch.float16), w.half())
-    assert not triton_ops.gemv_fits(torch.empty(2, 16, dtype=torch.bfloat16), w)
-    assert not triton_ops.gemv_fits(torch.empty(0, 16, dtype=torch.bfloat16), w)
-    assert not triton_ops.gemv_fits(torch.empty(1, 16), w.float())
-    assert not triton_ops.gemv_fits(torch.empty(1, 32, dtype=torch.bfloat16)[:, ::2], w)
+    assert triton_kernels.gemv_fits(torch.empty(1, 16, dtype=torch.bfloat16), w)
+    assert triton_kernels.gemv_fits(torch.empty(1, 16, dtype=torch.float16), w.half())
+    assert not triton_kernels.gemv_fits(torch.empty(2, 16, dtype=torch.bfloat16), w)
+    assert not triton_kernels.gemv_fits(torch.empty(0, 16, dtype=torch.bfloat16), w)
+    assert not triton_kernels.gemv_fits(torch.empty(1, 16), w.float())
+    assert not triton_kernels.gemv_fits(torch.empty(1, 32, dtype=torch.bfloat16)[:, ::2], w)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, num_warps) at K = 128: one slice of 4 blocks, 2 slices of 2, 4 slices
@@ -252,10 +263,10 @@ def test_gemm_matches_linear(config, rows, gated, bias):
     x = _randn(rows, 2 * 128 if gated else 128)
     w, b = _randn(37, 128, seed=1), _randn(37, seed=2) if bias else None  # N = 37: masked tail
     want = torch.nn.functional.linear(ref.silu_and_mul(x) if gated else x, w, b)
-    got = triton_ops.gemm(x, w, b, gated=gated, config=config)
+    got = triton_kernels.gemm(x, w, b, gated=gated, config=config)
     _close_norm(got, want, torch.float32)
     assert torch.equal(
-        triton_ops.gemm(x, w, b, gated=gated, config=config), got
+        triton_kernels.gemm(x, w, b, gated=gated, config=config), got
     )  # the parts' sum order is fixed
 
 
@@ -267,7 +278,7 @@ def test_gemm_add_rms_norm_matches_norm_then_linear(config, rows, with_residual)
     x = _randn(rows, 128)
     residual = _randn(rows, 128, seed=1) if with_residual else None
     nw, w, b = _randn(128, seed=2), _randn(37, 128, seed=3), _randn(37, seed=4)
-    y, h = triton_ops.gemm_add_rms_norm(x, residual, nw, 1e-6, w, b, config=config)
+    y, h = triton_kernels.gemm_add_rms_norm(x, residual, nw, 1e-6, w, b, config=config)
     want_h = x if residual is None else residual + x
     assert torch.equal(h, want_h)
     _close_norm(y, torch.nn.functional.linear(ref.rms_norm(want_h, nw, 1e-6), w, b), torch.float32)
@@ -275,22 +286,24 @@ def test_gemm_add_rms_norm_matches_norm_then_linear(config, rows, with_residual)
 
 def test_split_k_gemm_leaves_its_counters_at_zero():
     x, w = _randn(5, 256), _randn(64, 256, seed=1)
-    got = triton_ops.gemm(x, w, config=(16, 16, 64, 1, 4))  # 4 slices
-    assert not triton_ops._split_counters(x.device).any()
+    from minisgl.kernel.triton.gemm import _split_counters
+
+    got = triton_kernels.gemm(x, w, config=(16, 16, 64, 1, 4))  # 4 slices
+    assert not _split_counters(x.device).any()
     _close_norm(got, torch.nn.functional.linear(x, w), torch.float32)
 
 
 def test_gemm_serves_few_half_precision_rows_of_small_weights_only():
     w = torch.empty(64, 128, dtype=torch.bfloat16)
-    assert triton_ops.gemm_fits(torch.empty(2, 128, dtype=torch.bfloat16), w)
-    assert triton_ops.gemm_fits(torch.empty(16, 256, dtype=torch.bfloat16), w, gated=True)
-    assert not triton_ops.gemm_fits(torch.empty(1, 128, dtype=torch.bfloat16), w)  # the GEMV's
-    assert not triton_ops.gemm_fits(torch.empty(17, 128, dtype=torch.bfloat16), w)  # cuBLAS's
-    assert not triton_ops.gemm_fits(torch.empty(8, 128), w.float())
-    assert not triton_ops.gemm_fits(torch.empty(8, 96, dtype=torch.bfloat16), w[:, :96])  # K % 64
-    assert not triton_ops.gemm_fits(torch.empty(8, 256, dtype=torch.bfloat16), w)  # not [gate | up] of K
+    assert triton_kernels.gemm_fits(torch.empty(2, 128, dtype=torch.bfloat16), w)
+    assert triton_kernels.gemm_fits(torch.empty(16, 256, dtype=torch.bfloat16), w, gated=True)
+    assert not triton_kernels.gemm_fits(torch.empty(1, 128, dtype=torch.bfloat16), w)  # the GEMV's
+    assert not triton_kernels.gemm_fits(torch.empty(17, 128, dtype=torch.bfloat16), w)  # cuBLAS's
+    assert not triton_kernels.gemm_fits(torch.empty(8, 128), w.float())
+    assert not triton_kernels.gemm_fits(torch.empty(8, 96, dtype=torch.bfloat16), w[:, :96])  # K % 64
+    assert not triton_kernels.gemm_fits(torch.empty(8, 256, dtype=torch.bfloat16), w)  # not [gate | up] of K
     big = torch.empty(0, dtype=torch.bfloat16).new_empty((8193, 1024))  # 16 MiB + 2 KiB of weights
-    assert not triton_ops.gemm_fits(torch.empty(8, 1024, dtype=torch.bfloat16), big)
+    assert not triton_kernels.gemm_fits(torch.empty(8, 1024, dtype=torch.bfloat16), big)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -301,7 +314,7 @@ def test_argmax_gives_the_first_index_of_the_largest_value_as_torch(dtype, block
     x[1, 70] = x[1, 71] = 50  # a tie inside a chunk
     x[2] = 0  # all equal
     x[3, 999] = 50  # the masked tail's last entry
-    got = triton_ops.argmax(x, block)
+    got = triton_kernels.argmax(x, block)
     assert got.dtype == torch.int32 and torch.equal(got, x.argmax(dim=-1).int())
     assert got[:4].tolist() == [10, 70, 0, 999]
 
@@ -314,7 +327,7 @@ def test_store_kv_writes_the_given_slots_only():
     k_cache, v_cache = _randn(48, H, D, seed=1), _randn(48, H, D, seed=2)
     k_want, v_want = k_cache.clone(), v_cache.clone()
     ref.store_kv(k_want, v_want, loc, k, v)
-    triton_ops.store_kv(k_cache, v_cache, loc, k, v)
+    triton_kernels.store_kv(k_cache, v_cache, loc, k, v)
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
 
 
@@ -476,14 +489,14 @@ def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(n
     want_q, want_k = (ref.qk_norm_rotary if norm else ref.apply_rotary)(
         q, k, *weights, batch.positions, cache
     )
-    _, kernel_k = (triton_ops.qk_norm_rotary if norm else triton_ops.apply_rotary)(
+    _, kernel_k = (triton_kernels.qk_norm_rotary if norm else triton_kernels.apply_rotary)(
         q, k, *weights, batch.positions, cache
     )
     k_before, v_before = setup.pool.k(0).clone(), setup.pool.v(0).clone()
     backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
     backend.num_sms = num_sms
     backend.prepare_metadata(batch)
-    assert backend.fuses_rope(batch)
+    assert backend.fusion_plan(batch).rope_in_attention
     out = backend.forward(q, k, v, 0, batch, rope=Rope(batch.positions, cache, q_w, k_w, 1e-6))
     rows = batch.out_loc.long()
     assert torch.equal(setup.pool.k(0)[rows], kernel_k) and torch.equal(setup.pool.v(0)[rows], v)
@@ -517,7 +530,7 @@ def test_llm_with_triton_attention_and_decode_graphs_equals_hf(tiny_model_dirs, 
     """Qwen3 tiny (GQA 2, head_dim 40) through the scheduler: chunked prefill over cached prefixes
     (a shared prompt prefix, page size 4) and decode replayed through the graphs of 1, 2 and 4 requests
     (emulated on a CPU) give Hugging Face's greedy tokens."""
-    from conftest import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+    from helpers import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
 
     vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 1), (5, 2), (40, 3)]]
@@ -534,7 +547,7 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
     """Prefill through the (emulated) prefill graphs: chunks of up to 16 tokens padded to a captured size,
     several requests a step, chunks on cached prefixes (page size 4, a shared prompt prefix), decode through
     the decode graphs: Hugging Face's greedy tokens, and every prefill step was a replay."""
-    from conftest import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+    from helpers import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
 
     vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed) for n, seed in [(23, 4), (3, 5), (40, 6), (9, 7)]]

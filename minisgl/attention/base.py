@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.kernel import Rope
+from minisgl.layers.attention import UNFUSED, FusionPlan
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -44,26 +45,20 @@ class BaseAttnBackend(ABC):
         self,
         q: torch.Tensor,
         k: torch.Tensor | None,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         layer_id: int,
         batch: Batch,
-        stored: bool = False,
         rope: Rope | None = None,
-        defer_merge: bool = False,
     ):
-        """Store k/v [T, Hkv, D] at batch.out_loc (unless `stored`: an earlier kernel did), then attend
-        q [T, Hq, D] -> [T, Hq, D]. With `rope` (only where fuses_rope said so) q and k are not rotated
-        yet and the backend rotates them (and stores the rotated k). defer_merge: the caller hands the
-        result to kernel.linear, so a split-KV backend may return a kernel.SplitAttention instead."""
+        """Store k/v [T, Hkv, D] at batch.out_loc (k None: an earlier kernel stored them), then attend
+        q [T, Hq, D] -> [T, Hq, D]. With `rope` (where the plan says rope_in_attention) q and k are not
+        rotated yet and the backend rotates them (and stores the rotated k). Under the plan's
+        merge_in_o_proj the result is a kernel.SplitAttention instead."""
 
-    def kv_from_pool(self, batch: Batch) -> bool:
-        """Whether attention reads this batch's new K/V from the pool only, so an earlier kernel (rotary)
-        may store them and forward runs with stored=True."""
-        return False
-
-    def fuses_rope(self, batch: Batch) -> bool:
-        """Whether forward takes this batch's q/k unrotated, with a Rope, and rotates them itself."""
-        return False
+    def fusion_plan(self, batch: Batch) -> FusionPlan:
+        """How this batch's rotary, KV store, attention and output projection share kernels; fixed by
+        prepare_metadata (or the graph hooks) for the batch."""
+        return UNFUSED
 
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
@@ -99,14 +94,11 @@ class HybridBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: Batch) -> None:
         self._pick(batch).prepare_metadata(batch)
 
-    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
-        return self._pick(batch).forward(q, k, v, layer_id, batch, stored, rope, defer_merge)
+    def forward(self, q, k, v, layer_id, batch, rope=None):
+        return self._pick(batch).forward(q, k, v, layer_id, batch, rope)
 
-    def fuses_rope(self, batch: Batch) -> bool:
-        return self._pick(batch).fuses_rope(batch)
-
-    def kv_from_pool(self, batch: Batch) -> bool:
-        return self._pick(batch).kv_from_pool(batch)
+    def fusion_plan(self, batch: Batch) -> FusionPlan:
+        return self._pick(batch).fusion_plan(batch)
 
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         self.decode.init_capture_graph(max_bs, capture_bs)

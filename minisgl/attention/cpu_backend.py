@@ -1,6 +1,6 @@
 """The CPU backend: the torch backend, with decode through the C kernel of kernel/cpu.py, which reads
 each request's K/V rows through the page table where they lie instead of gathering them into a padded
-copy first (3-4x less time per layer at W3's batch of 32). The KV pool is float32 (`kv_cache_dtype`); a
+copy first (docs/BENCHMARKS.md has the time per layer). The KV pool is float32 (`kv_cache_dtype`); a
 bf16/fp16 model stores its K/V there exactly and attends with its query upcast, the output rounded to the
 model's dtype once. `auto` picks it on CPUs where the kernel builds."""
 
@@ -46,12 +46,12 @@ class CpuAttnBackend(TorchAttnBackend):
             batch.table_idx.to(torch.int64), batch.seq_lens_t.to(torch.int64)
         )
 
-    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
-        assert rope is None, "this backend does not fuse rotary (fuses_rope is False)"
+    def forward(self, q, k, v, layer_id, batch, rope=None):
+        assert rope is None, "this backend does not fuse rotary (its fusion plan is UNFUSED)"
         if not batch.is_decode:
-            return super().forward(q, k, v, layer_id, batch, stored)
+            return super().forward(q, k, v, layer_id, batch)
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
-        if not stored:
+        if k is not None:
             kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         meta: CpuDecodeMetadata = batch.attn_metadata
         out = cpu_kernels.decode_attention(

@@ -50,10 +50,10 @@ class TorchAttnBackend(BaseAttnBackend):
             start += extend
         batch.attn_metadata = TorchAttnMetadata(rows, None, segments)
 
-    def forward(self, q, k, v, layer_id, batch, stored=False, rope=None, defer_merge=False):
-        assert rope is None, "this backend does not fuse rotary (fuses_rope is False)"
+    def forward(self, q, k, v, layer_id, batch, rope=None):
+        assert rope is None, "this backend does not fuse rotary (its fusion plan is UNFUSED)"
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)
-        if not stored:
+        if k is not None:
             kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         meta: TorchAttnMetadata = batch.attn_metadata
         gqa = q.shape[1] != k_cache.shape[1]

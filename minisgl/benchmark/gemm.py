@@ -1,12 +1,12 @@
 """Time the decode-size GEMMs of one transformer layer: cuBLAS (torch's F.linear, after a separate SiLU-and-mul
 kernel for the down projection, as the layer ran them before) against the Triton skinny GEMM
-(triton_ops.gemm), at Qwen3-0.6B or Qwen3-8B shapes in bf16.
+(triton_kernels.gemm), at Qwen3-0.6B or Qwen3-8B shapes in bf16.
 
 python -m minisgl.benchmark.gemm --model 0.6b [--rows 2,8,32,128] [--sweep]
 Each timing is a CUDA graph of back-to-back calls that cycle over enough weight copies that no weight is
 in L2 when read; prints microseconds per call and the weight bytes read per second. --sweep also times
 every tiling in SWEEP and prints the fastest, next to the default one that gemm() picks. The engine calls
-gemm() only for 2-16 rows and weights up to 16 MB (triton_ops.gemm_fits); the larger row counts, the LM
+gemm() only for 2-16 rows and weights up to 16 MB (triton_kernels.gemm_fits); the larger row counts, the LM
 head and the Qwen3-8B shapes are here to show where cuBLAS is the better choice."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from minisgl.kernel import triton_ops
+from minisgl.kernel import triton as triton_kernels
 
 # (name, N, K, gated) of one layer's projections
 SHAPES = {
@@ -65,7 +65,7 @@ def _compile(args: tuple[int, bool, list]) -> int:
     done = 0
     for config in configs:
         try:
-            triton_ops.gemm(x, w, gated=gated, config=config)
+            triton_kernels.gemm(x, w, gated=gated, config=config)
             done += 1
         except (OutOfResources, RuntimeError) as e:  # too much shared memory, or Triton cannot compile it
             print(f"skipped {config} for K={k}: {e}", flush=True)
@@ -138,14 +138,14 @@ def _compare(m: int, k: int, gated: bool, weights: list[torch.Tensor], sweep: bo
     n, copies = weights[0].shape[0], len(weights)
     x = torch.randn(m, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(F.silu(x[:, :k]) * x[:, k:] if gated else x, weights[0])
-    got = triton_ops.gemm(x, weights[0], gated=gated)
+    got = triton_kernels.gemm(x, weights[0], gated=gated)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     if gated:
-        cublas = _time(lambda i: F.linear(triton_ops.silu_and_mul(x), weights[i]), copies)
+        cublas = _time(lambda i: F.linear(triton_kernels.silu_and_mul(x), weights[i]), copies)
     else:
         cublas = _time(lambda i: F.linear(x, weights[i]), copies)
-    ours = _time(lambda i: triton_ops.gemm(x, weights[i], gated=gated), copies)
-    if not torch.equal(triton_ops.gemm(x, weights[0], gated=gated), got):  # split-K counters were reset
+    ours = _time(lambda i: triton_kernels.gemm(x, weights[i], gated=gated), copies)
+    if not torch.equal(triton_kernels.gemm(x, weights[0], gated=gated), got):  # split-K counters were reset
         raise RuntimeError(f"gemm gave a different result after graph replays ({m} x {n} x {k})")
     line = (
         f"{cublas:9.2f} {n * k * 2 / cublas / 1e3:6.0f} {ours:9.2f} {n * k * 2 / ours / 1e3:6.0f} {err:8.1e}"
@@ -154,7 +154,7 @@ def _compare(m: int, k: int, gated: bool, weights: list[torch.Tensor], sweep: bo
     if sweep:
         for c in _configs(m, k):
             try:
-                us = _time(lambda i, c=c: triton_ops.gemm(x, weights[i], gated=gated, config=c), copies)
+                us = _time(lambda i, c=c: triton_kernels.gemm(x, weights[i], gated=gated, config=c), copies)
             except (OutOfResources, RuntimeError):  # already reported when compiling
                 continue
             timed.append((us, c))

@@ -21,8 +21,9 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 class Rope(NamedTuple):
-    """Rotary embedding for an attention backend that applies it inside its kernel (fuses_rope): neox
-    layout, cos|sin table [max_pos, rot_dim] float32; q_weight/k_weight: Qwen3's per-head RMSNorm first."""
+    """Rotary embedding for an attention backend that applies it inside its kernel (the fusion plan's
+    rope_in_attention): neox layout, cos|sin table [max_pos, rot_dim] float32; q_weight/k_weight: Qwen3's
+    per-head RMSNorm first."""
 
     positions: torch.Tensor  # [T] position of each new token
     cos_sin_cache: torch.Tensor
@@ -33,8 +34,8 @@ class Rope(NamedTuple):
 
 class SplitAttention(NamedTuple):
     """A split-KV decode attention output still in parts, handed to the output projection so that one
-    kernel merges the splits and multiplies (at batch size 1 on a GPU); linear() merges it first anywhere
-    else. Splits follow the decode kernel's cut: seq_len over num_splits, rounded up to block_n keys."""
+    kernel merges the splits and multiplies (the fusion plan's merge_in_o_proj: one request on a GPU);
+    linear() merges it first where that kernel does not serve. Splits follow the decode kernel's cut: seq_len over num_splits, rounded up to block_n keys."""
 
     mid_o: torch.Tensor  # [B, Hq, num_splits, D] float32 normalised partial outputs
     mid_lse: torch.Tensor  # [B, Hq, num_splits] their log2-sum-exps
@@ -46,19 +47,20 @@ class SplitAttention(NamedTuple):
 
 
 def use_triton(enabled: bool) -> None:
+    """Whether CUDA tensors take the Triton kernels (False: the torch reference, for comparisons)."""
     global _TRITON_ENABLED
     _TRITON_ENABLED = enabled
 
 
-def _triton_ops():
-    """The Triton module, or None when the tensors are on a CPU or Triton is missing."""
+def _triton_kernels():
+    """The Triton kernels (kernel/triton), or None when they are switched off or Triton is missing."""
     if not _TRITON_ENABLED:
         return None
     try:
-        from . import triton_ops
+        from . import triton as triton_kernels
     except ImportError:
         return None
-    return triton_ops
+    return triton_kernels
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -67,12 +69,12 @@ def _on_gpu(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b). On a CPU in float32 the weight is packed once (kept on the tensor, redone if it
-    is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both are
-    measured faster than MKL's GEMM at decode's row counts (the 49,152-wide LM head most of all). On a
+    is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both beat
+    MKL's GEMM at decode's row counts (the wide LM head most of all; docs/BENCHMARKS.md). On a
     CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once.
     x may be a SplitAttention (decode attention not merged yet)."""
     if isinstance(x, SplitAttention):
-        ops = _triton_ops()
+        ops = _triton_kernels()
         if ops is not None and ops.gemv_merge_fits(x, weight):
             return ops.gemv_merged(x, weight, bias)
         x = x.merge()
@@ -85,7 +87,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and _CPU_PACKED_LINEAR
         and cpu.linear_available()
     ):
-        # Most CPUs have no bf16/fp16 arithmetic (torch's half matmuls run ~16x slower than float32). A
+        # Most CPUs have no bf16/fp16 arithmetic (torch's half matmuls run many times slower). A
         # half-precision GEMM multiplies exactly upcast inputs and accumulates in float32, so the float32
         # kernel on upcast inputs, rounded once at the end, computes the same thing at float32 speed.
         packed = _cpu_packed_weight(weight)
@@ -121,9 +123,9 @@ def _cpu_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """On a GPU: the Triton GEMV at decode batch sizes (it reads W at near copy bandwidth, where cuBLAS
-    reached ~1 TB/s at one row); cuBLAS everywhere else."""
-    ops = _triton_ops()
+    """On a GPU: the Triton GEMV at one row and the Triton GEMM at 2..16 rows, where they beat cuBLAS
+    (docs/BENCHMARKS.md); cuBLAS everywhere else."""
+    ops = _triton_kernels()
     if ops is not None and ops.gemv_fits(x, weight):
         return ops.gemv(x, weight, bias)
     if ops is not None and ops.gemm_fits(x, weight):
@@ -135,7 +137,7 @@ def silu_and_mul_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """linear(silu_and_mul(x), W, b): the gated MLP's down projection, one kernel at GPU decode sizes."""
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and ops.gemv_fits(x, weight):
         return ops.gemv(x, weight, bias, gated=True)
     if ops is not None and ops.gemm_fits(x, weight, gated=True):
@@ -153,7 +155,7 @@ def add_rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm projection: h = x + residual (x when residual is None); returns (linear(rms_norm(h)), h).
     One kernel at GPU decode sizes; elsewhere the (fused) norm, then linear."""
-    ops = _triton_ops() if _on_gpu(x) else None
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         if ops.gemv_fits(x, weight):
             return ops.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
@@ -167,9 +169,10 @@ def add_rms_norm_linear(
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) as int32 for 2-D logits: a two-pass Triton kernel on a GPU (torch's single pass read
-    a batch of 256 vocabulary-wide rows at a third of the bandwidth), torch elsewhere."""
-    ops = _triton_ops() if _on_gpu(x) else None
+    """x.argmax(dim=-1) as int32 for 2-D logits: a two-pass Triton kernel on a GPU (torch's single pass
+    reads a large batch of vocabulary-wide rows far below the bandwidth: docs/BENCHMARKS.md), torch
+    elsewhere."""
+    ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
         return ops.argmax(x)
     return x.argmax(dim=-1).to(torch.int32)
@@ -178,8 +181,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and cpu.elementwise_ok(x, weight):
         return cpu.rms_norm(x, weight, eps)
-    ops = _triton_ops() if _on_gpu(x) else None
-    if ops is not None and hasattr(ops, "rms_norm"):
+    ops = _triton_kernels() if _on_gpu(x) else None
+    if ops is not None:
         return ops.rms_norm(x, weight, eps)
     return ref.rms_norm(x, weight, eps)
 
@@ -189,8 +192,8 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 2 and cpu.elementwise_ok(x, residual, weight):
         return cpu.rms_norm(x, weight, eps, residual)
-    ops = _triton_ops() if _on_gpu(x) else None
-    if ops is not None and hasattr(ops, "fused_add_rms_norm"):
+    ops = _triton_kernels() if _on_gpu(x) else None
+    if ops is not None:
         return ops.fused_add_rms_norm(x, residual, weight, eps)
     return ref.fused_add_rms_norm(x, residual, weight, eps)
 
@@ -198,8 +201,8 @@ def fused_add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and cpu.elementwise_ok(x):
         return cpu.silu_and_mul(x)
-    ops = _triton_ops() if _on_gpu(x) else None
-    if ops is not None and hasattr(ops, "silu_and_mul"):
+    ops = _triton_kernels() if _on_gpu(x) else None
+    if ops is not None:
         return ops.silu_and_mul(x)
     return ref.silu_and_mul(x)
 
@@ -215,8 +218,8 @@ def apply_rotary(
     the KV pool rows out_loc (one kernel on a GPU) and return (q, None)."""
     if cpu.elementwise_ok(q, k, cos_sin_cache) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
         return _then_store(*cpu.apply_rotary(q, k, positions, cos_sin_cache), kv_store)  # in place
-    ops = _triton_ops() if _on_gpu(q) else None
-    if ops is not None and hasattr(ops, "apply_rotary"):
+    ops = _triton_kernels() if _on_gpu(q) else None
+    if ops is not None:
         return ops.apply_rotary(q, k, positions, cos_sin_cache, kv_store)
     return _then_store(*ref.apply_rotary(q, k, positions, cos_sin_cache), kv_store)
 
@@ -233,8 +236,8 @@ def qk_norm_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over each head of q and k, then rotary (Qwen3): one kernel on a GPU; kv_store as in
     apply_rotary."""
-    ops = _triton_ops() if _on_gpu(q) else None
-    if ops is not None and hasattr(ops, "qk_norm_rotary"):
+    ops = _triton_kernels() if _on_gpu(q) else None
+    if ops is not None:
         return ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, kv_store)
     return _then_store(*ref.qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, cos_sin_cache), kv_store)
 
@@ -254,7 +257,7 @@ def store_kv(
 ) -> None:
     if cpu.elementwise_ok(k_cache, v_cache, k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
         return cpu.store_kv(k_cache, v_cache, out_loc, k, v)
-    ops = _triton_ops() if _on_gpu(k) else None
-    if ops is not None and hasattr(ops, "store_kv"):
+    ops = _triton_kernels() if _on_gpu(k) else None
+    if ops is not None:
         return ops.store_kv(k_cache, v_cache, out_loc, k, v)
     return ref.store_kv(k_cache, v_cache, out_loc, k, v)

@@ -97,7 +97,7 @@ class LLM:
                 if res.top_logprobs is not None:
                     out.setdefault("top_logprobs", []).append(res.top_logprobs)
                 if res.finished:
-                    out["finish_reason"] = res.finish_reason
+                    out["finish_reason"] = str(res.finish_reason)  # the plain value, as before
                     remaining -= 1
         while self.scheduler.has_work:  # let the in-flight step (if any) land
             self.scheduler.step()

@@ -31,11 +31,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     eos_token_ids: list = field(default_factory=list)
-    # mixture of experts (0 experts: dense)
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
     hf_config: Any = None
 
     @classmethod
@@ -68,9 +63,5 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)) or arch.startswith("Qwen2"),
             eos_token_ids=eos_ids,
-            num_experts=getattr(hf, "num_experts", 0) or 0,
-            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) or 0,
-            moe_intermediate_size=getattr(hf, "moe_intermediate_size", 0) or 0,
-            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
             hf_config=hf,
         )

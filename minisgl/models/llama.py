@@ -35,9 +35,9 @@ class LlamaAttention(nn.Module):
         # Llama's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only
         o_bias = cfg.attention_bias and not cfg.architecture.startswith("Qwen")
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
-        if self.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # Qwen3 normalises each head of q and k before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if self.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if self.qk_norm else None
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -51,20 +51,10 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        positions = get_global_ctx().batch.positions
-        if (
-            self.attn.fuses_rope()
-        ):  # decode on a GPU: q/k norm, rotary and the KV store in the attention kernel
-            norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-            # the output projection merges the attention's splits itself where it can (batch size 1)
-            out = self.attn(q, k, v, rope=self.rotary.spec(positions, *norms), defer_merge=True)
-            return self.o_proj(out), residual
-        store = self.attn.kv_store(v)  # where the backend lets the rotary kernel write the new K/V itself
-        if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, in the rotary kernel
-            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm, kv_store=store)
-        else:
-            q, k = self.rotary(positions, q, k, kv_store=store)
-        return self.o_proj(self.attn(q, k, v, stored=store is not None)), residual
+        # q/k norm, rotary, the KV store and attention; the attention backend's plan for the batch decides
+        # which of them share a kernel (layers/attention.py)
+        out = self.attn(q, k, v, self.rotary, self.q_norm, self.k_norm)
+        return self.o_proj(out), residual
 
 
 class LlamaMLP(nn.Module):

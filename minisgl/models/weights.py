@@ -50,10 +50,6 @@ def load_weights(
             if frag in name:
                 name, part = name.replace(frag, merged), idx
                 break
-        if hasattr(model, "remap_weight_name"):
-            name, part = model.remap_weight_name(name, part)
-        if name is None:
-            continue
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
         if module is None or not hasattr(module, "load_shard"):

