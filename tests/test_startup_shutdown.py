@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,15 +19,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from helpers import free_port
 
 SERVER_ARGS = ["--dtype", "float32", "--num-pages", "4096", "--max-seq-len-override", "256"]
 MODEL_WORK = ("Started", "Loading", "Serving", "Converting", "Engine ready")  # log lines of model work
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _new_session_with_ctrl_c() -> None:
@@ -38,13 +34,16 @@ def _new_session_with_ctrl_c() -> None:
 
 
 class Launched:
-    """`python -m minisgl` (the default model) in its own process group, stdout and stderr in one file."""
+    """`python -m minisgl` (the default model) in its own process group, stdout and stderr in one file;
+    unlike helpers.Service it acts on SIGINT even when the tests run as a background job."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # the launcher's socket directory goes here, removed whatever the test did
+        self.tmp_dir = tempfile.mkdtemp(prefix="minisgl-service-")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=self.tmp_dir)
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "minisgl", "--port", str(self.port), *args],
@@ -87,6 +86,7 @@ class Launched:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 def _assert_quiet_stop(code: int, out: str, signame: str) -> None:
@@ -166,7 +166,7 @@ def test_ctrl_c_while_the_workers_load_stops_every_process_quietly(tmp_path):
     ],
 )
 def test_an_unknown_backend_name_fails_before_any_model_work_naming_the_known_ones(args, flag, names):
-    r, _ = _run_cli("--port", str(_free_port()), *args, timeout=60)
+    r, _ = _run_cli("--port", str(free_port()), *args, timeout=60)
     assert r.returncode == 2, r.stderr
     error = r.stderr.strip().splitlines()[-1]  # argparse's style: usage, then one line naming the flag
     assert flag in error and all(n in error for n in names), error
@@ -178,7 +178,7 @@ def test_an_unsupported_architecture_fails_before_a_worker_starts(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
-    r, _ = _run_cli("--model", str(model), "--port", str(_free_port()), timeout=60)
+    r, _ = _run_cli("--model", str(model), "--port", str(free_port()), timeout=60)
     assert r.returncode == 2, r.stderr
     assert "GPTNeoXForCausalLM" in r.stderr and "LlamaForCausalLM" in r.stderr, r.stderr
     assert not [line for line in MODEL_WORK if line in r.stderr], r.stderr
