@@ -14,6 +14,7 @@ uvicorn shuts down, every worker unwinds on a SIGTERM, exit status 0. A dead wor
 from __future__ import annotations
 
 import ctypes
+import errno
 import multiprocessing as mp
 import os
 import queue
@@ -323,11 +324,11 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise StartupError(
-            f"cannot listen on {host}:{port}: {e.strerror} (another server may be using port {port}); "
-            "stop it or choose another port with --port",
-            code=1,
-        ) from None
+        if e.errno == errno.EADDRINUSE:
+            fix = f"another server is using port {port}: stop it or choose another port with --port"
+        else:
+            fix = "check --host and --port"
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}", code=1) from None
     sock.set_inheritable(False)
     return sock
 
