@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from helpers import Service, make_llm, metrics, wait_idle
+from helpers import Service, free_port, make_llm, metrics, wait_idle
 
 openai = pytest.importorskip("openai")
 
@@ -186,7 +186,8 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_a_model_path_that_does_not_exist_fails_fast_with_a_clear_message(tmp_path):
-    r = _run_cli("--model", str(tmp_path / "no-such-model"), "--port", "1")
+    # a free port: the port is checked first, and a privileged one would fail there for a non-root user
+    r = _run_cli("--model", str(tmp_path / "no-such-model"), "--port", str(free_port()))
     assert r.returncode == 2
     assert re.search(r"does not exist", r.stderr), r.stderr
     assert "Started" not in r.stderr  # no worker was spawned

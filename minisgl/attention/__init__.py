@@ -36,6 +36,29 @@ def _register_optional() -> None:
 _NOT_BUILT = {"fi": "FlashInfer", "fa": "FlashAttention"}
 
 
+def attn_backend_names() -> list[str]:
+    """The names `--attn` accepts (each side of a `prefill,decode` pair too); imports no backend's kernels
+    beyond the optional ones' modules."""
+    _register_optional()
+    return ["auto", *ATTN_BACKENDS.names()]
+
+
+def check_attn_name(spec: str) -> None:
+    """Raise ValueError naming the known backends if `spec` (one name or `prefill,decode`) names another;
+    cheap enough for option parsing, before any model work."""
+    names = [n.strip() for n in spec.split(",")]
+    if all(n == "auto" or n in ATTN_BACKENDS for n in names) and len(names) <= 2:
+        return  # known without importing the optional backends (triton's import takes ~0.5 s)
+    known = attn_backend_names()
+    for name in names:
+        if name in _NOT_BUILT and name not in ATTN_BACKENDS:
+            resolve_attn_name(name, torch.device("cpu"))  # raises its "not available in this build"
+        if name not in known or len(names) > 2:
+            raise ValueError(
+                f"unknown attention backend {spec!r}; supported: {', '.join(known)} (or a prefill,decode pair)"
+            )
+
+
 def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """`auto`: triton on CUDA (when importable); cpu on a CPU where its C kernel builds; torch elsewhere."""
     _register_optional()
@@ -84,6 +107,8 @@ __all__ = [
     "ATTN_BACKENDS",
     "AttnConfig",
     "BaseAttnBackend",
+    "attn_backend_names",
+    "check_attn_name",
     "create_attn_backend",
     "kv_cache_dtype",
     "resolve_attn_name",

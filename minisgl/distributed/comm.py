@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from minisgl.utils import init_logger
+
 from .info import get_tp_info
+
+logger = init_logger(__name__)
 
 
 def init_process_group(rank: int, size: int, init_method: str, device: torch.device) -> None:
@@ -13,6 +17,8 @@ def init_process_group(rank: int, size: int, init_method: str, device: torch.dev
     if size == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if rank == 0:  # NCCL's set-up takes seconds, before anything else is logged
+        logger.info(f"Joining the {size} tensor-parallel ranks ({backend}, {init_method})")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
 
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minisgl.attention import check_attn_name
 from minisgl.distributed import DistributedInfo
-from minisgl.utils.options import check, option
+from minisgl.utils.options import OptionError, check, option
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,3 +83,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(self)  # every option of the chain, the subclasses' too
+        try:  # a registry name, refused here so that a typo fails before any model work
+            check_attn_name(self.attn)
+        except ValueError as e:
+            raise OptionError("attn", str(e)) from None

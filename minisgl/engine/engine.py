@@ -68,13 +68,7 @@ class Engine:
         self.max_seq_len = self._max_seq_len(hf_config)
 
         torch.manual_seed(config.seed)
-        with torch.device(self.device):
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                self.model = create_model(self.model_config)
-            finally:
-                torch.set_default_dtype(prev)
+        self.model = self._build_model()
         self._load_weights()
         self.model.eval()
 
@@ -127,6 +121,18 @@ class Engine:
         if self.config.max_seq_len_override:
             limit = min(limit, self.config.max_seq_len_override)
         return limit
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model, its parameters allocated in the engine's dtype on its device (weights come next)."""
+        if self.config.tp_info.is_primary():  # seconds for a large model, before the weights' progress bar
+            logger.info(f"Building {self.model_config.architecture} ({self.dtype}) from {self.model_dir}")
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                return create_model(self.model_config)
+            finally:
+                torch.set_default_dtype(prev)
 
     def _load_weights(self) -> None:
         if self.config.load_format == "dummy":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minisgl.engine.config import EngineConfig
+from minisgl.kvcache import PREFIX_CACHES
 from minisgl.utils.options import option
 
 
@@ -16,7 +17,7 @@ def _on_off(text: str) -> bool:
 class SchedulerConfig(EngineConfig):
     """What the Scheduler needs: the engine's options (inherited) and its own."""
 
-    cache_type: str = option("radix", help="prefix cache: radix or naive", aliases=["cache"])
+    cache_type: str = option("radix", help="prefix cache", choices=PREFIX_CACHES.names(), aliases=["cache"])
     overlap: bool | None = option(
         None,
         help="overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP_SCHEDULING=1)",

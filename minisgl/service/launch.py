@@ -1,14 +1,20 @@
-"""The launcher: resolve the model once, spawn the workers, wait until each is ready, then serve.
+"""The launcher: check the options and the port, resolve the model once, spawn the workers, wait until each
+is ready, then serve.
 
 Processes: this one (API server or shell), one scheduler per TP rank, and the tokenizer side (one worker
 doing both with --num-tokenizer 0, else N tokenizers + 1 detokenizer). Workers are started with `spawn`
 (CUDA, threads and ZMQ contexts do not survive a fork), ignore Ctrl-C (the launcher stops them) and die
 with the launcher (PR_SET_PDEATHSIG). A worker that dies takes the whole service down with a message.
+
+Before any model work: the options (argparse, exit 2), the HTTP port (bound here and handed to uvicorn,
+exit 1 when busy), the model path and architecture (exit 2). SIGTERM and Ctrl-C stop the service quietly:
+uvicorn shuts down, every worker unwinds on a SIGTERM, exit status 0. A dead worker: exit status 1.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import multiprocessing as mp
 import os
 import queue
@@ -36,9 +42,10 @@ class WorkerDied(RuntimeError):
 
 # ---- inside the worker processes ---------------------------------------------------------------------
 def _child_init(parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher stops us
-    # the launcher's SIGTERM unwinds the worker, so its finalizers run: multiprocessing semaphores it
-    # created (tqdm's lock) are released, not reported as leaked when the service exits
+    # SIGINT is already ignored since the exec (the launcher ignores it while it starts us), so a Ctrl-C
+    # during the imports prints no KeyboardInterrupt; the launcher stops us with a SIGTERM, which unwinds
+    # the worker: its queues close and its finalizers run
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:  # die with the launcher, even if it is SIGKILLed
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -46,6 +53,11 @@ def _child_init(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
         os._exit(1)
+    # tqdm's default lock is a multiprocessing semaphore, useless under spawn; a worker that is killed
+    # before it unlinks it makes the resource tracker report it as leaked when the service exits
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
@@ -68,9 +80,8 @@ def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
     )
 
 
-def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int) -> None:
-    _child_init(parent_pid)
-    name = f"scheduler-{rank}"
+def _start_scheduler(args: ServerArgs, rank: int, ack_queue: Any, name: str) -> Any:
+    """Build rank `rank`'s scheduler and its queues, then report ready (or the error) to the launcher."""
     try:
         from minisgl.scheduler import Scheduler
 
@@ -87,23 +98,78 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
         ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
     ack_queue.put((name, {"max_seq_len": scheduler.max_seq_len}))
-    io.run_forever()
+    return io
+
+
+def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int) -> None:
+    _child_init(parent_pid)
+    name = f"scheduler-{rank}"
+    try:
+        io = _start_scheduler(args, rank, ack_queue, name)
+        try:
+            io.run_forever()
+        finally:
+            io.stop()
+    except SystemExit:
+        init_logger(__name__, name).info(f"{name} stopping")
+        raise
 
 
 def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> None:
     _child_init(parent_pid)
     from .tokenizer_worker import tokenize_worker
 
+    name = kwargs["worker_name"]
     try:
         tokenize_worker(ack_queue=ack_queue, **kwargs)
-    except SystemExit:  # stopped by the launcher
+    except SystemExit:  # stopped by the launcher (the worker closed its queues on the way out)
+        init_logger(__name__, name).info(f"{name} stopping")
         raise
     except BaseException as e:
-        ack_queue.put((kwargs["worker_name"], {"error": f"{type(e).__name__}: {e}"}))
+        ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
 
 
 # ---- in the launcher ---------------------------------------------------------------------------------
+def _tokenizer_workers(a: ServerArgs) -> list[dict[str, Any]]:
+    """The keyword arguments of each tokenizer-side worker (one doing both, or N tokenizers + 1 detokenizer)."""
+    common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
+    if a.num_tokenizer == 0:
+        workers = [
+            dict(
+                common,
+                role="both",
+                worker_name="tokenizer",
+                recv_addr=a.detokenizer_addr,
+                recv_create=True,
+                frontend_addr=a.frontend_addr,
+            )
+        ]
+    else:
+        workers = [
+            dict(
+                common,
+                role="detokenizer",
+                worker_name="detokenizer",
+                recv_addr=a.detokenizer_addr,
+                recv_create=True,
+                frontend_addr=a.frontend_addr,
+            )
+        ]
+        workers += [
+            dict(
+                common,
+                role="tokenizer",
+                worker_name=f"tokenizer-{i}",
+                recv_addr=a.tokenizer_addr,
+                recv_create=False,
+                detokenizer_addr=a.detokenizer_addr,
+            )
+            for i in range(a.num_tokenizer)
+        ]
+    return workers
+
+
 class ServiceProcesses:
     """The worker processes: start, wait for their ready messages, watch them, stop them."""
 
@@ -125,50 +191,26 @@ class ServiceProcesses:
                     name=f"minisgl-scheduler-{rank}",
                 )
             )
-        common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
-        if a.num_tokenizer == 0:
-            workers = [
-                dict(
-                    common,
-                    role="both",
-                    worker_name="tokenizer",
-                    recv_addr=a.detokenizer_addr,
-                    recv_create=True,
-                    frontend_addr=a.frontend_addr,
-                )
-            ]
-        else:
-            workers = [
-                dict(
-                    common,
-                    role="detokenizer",
-                    worker_name="detokenizer",
-                    recv_addr=a.detokenizer_addr,
-                    recv_create=True,
-                    frontend_addr=a.frontend_addr,
-                )
-            ]
-            workers += [
-                dict(
-                    common,
-                    role="tokenizer",
-                    worker_name=f"tokenizer-{i}",
-                    recv_addr=a.tokenizer_addr,
-                    recv_create=False,
-                    detokenizer_addr=a.detokenizer_addr,
-                )
-                for i in range(a.num_tokenizer)
-            ]
-        for kw in workers:
+        for kw in _tokenizer_workers(a):
             self.procs.append(
                 self.ctx.Process(
                     target=_run_tokenizer, args=(kw, self.ack_queue, pid), name=f"minisgl-{kw['worker_name']}"
                 )
             )
-        for p in self.procs:
-            p.start()
+        # a spawned worker inherits an ignored SIGINT through the exec, so a Ctrl-C during its imports
+        # (before _child_init) does not print a KeyboardInterrupt traceback
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         names = ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         logger.info(f"Started {len(self.procs)} worker processes: {names}")
+        # the workers are silent while they import torch (seconds on a busy machine)
+        logger.info(
+            f"Loading {self.args.model_path}: the workers import torch, then the scheduler builds the model"
+        )
 
     def _errors(self) -> list[str]:
         out = []
@@ -223,12 +265,15 @@ class ServiceProcesses:
 
         threading.Thread(target=loop, name="minisgl-watchdog", daemon=True).start()
 
-    def stop(self, timeout: float = 3.0) -> None:
-        """SIGTERM every worker, SIGKILL what is left after `timeout` seconds."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every worker, SIGKILL what is left after `timeout` seconds (a worker's interpreter takes
+        seconds to tear torch down on a busy machine; a killed one leaves its semaphores to be reported)."""
         self.stopping = True
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
+        running = [p for p in self.procs if p.is_alive()]
+        if running:
+            logger.info(f"Stopping {len(running)} worker processes")
+        for p in running:
+            p.terminate()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -247,11 +292,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class StopRequested(BaseException):
+    """SIGTERM in the launcher: unwinds like Ctrl-C's KeyboardInterrupt into the cleanup of `launch`."""
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds into the cleanup below
+    raise SystemExit(128 + signum)  # in a worker: unwinds it, its `finally` blocks close its queues
 
 
-def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
+def _on_launcher_sigterm(signum: int, frame: Any) -> None:
+    raise StopRequested
+
+
+class StartupError(Exception):
+    """A problem found before any worker starts: the launcher logs the message and exits with `code`."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound before any model work so that a busy one fails at once; uvicorn listens on
+    it once the workers are ready (until then a client is refused, not left hanging)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # as uvicorn does: a port whose old connections linger in TIME_WAIT is free (one that is listening
+    # is still refused)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            fix = f"another server is using port {port}: stop it or choose another port with --port"
+        else:
+            fix = "check --host and --port"
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}", code=1) from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def check_model(model_dir: str) -> None:
+    """Refuse an architecture no model class implements, from config.json alone (before any weight loads)."""
+    import json
+
+    from minisgl.models import MODELS
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return  # the engine's own loading reports a missing or broken config
+    unknown = [a for a in archs[:1] if a not in MODELS]
+    if unknown:
+        raise StartupError(
+            f"{model_dir}: unsupported model architecture {unknown[0]!r}; "
+            f"supported: {', '.join(MODELS.names())}"
+        )
+
+
+def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
     import uvicorn  # imported while the workers load
 
     from .openai import create_app
@@ -278,21 +379,47 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses) -> int:
     logger.info(
         f"Serving {args.served_model_name} (context {max_seq_len}) on http://{args.host}:{args.port}/v1"
     )
-    server.run()
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then raises the signal again: it lands in
+    # `launch` as KeyboardInterrupt / StopRequested
+    try:
+        server.run(sockets=[sock])
+    except OSError as e:  # listen() failed: another server bound the port while the model loaded
+        logger.error(f"cannot listen on {args.host}:{args.port}: {e}; stop the other server or use --port")
+        return 1
     return 1 if service.failure else 0
 
 
-def launch(args: ServerArgs) -> int:
-    """Start the whole service and block until it stops; returns the exit code."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        from minisgl.utils.hf import resolve_model_path
+def _prepare(args: ServerArgs) -> tuple[ServerArgs, socket.socket | None]:
+    """Everything checked before a worker starts: the port first (instant), then the model (a .gguf is
+    converted here, once)."""
+    from minisgl.utils.hf import resolve_model_path
 
-        # once: a .gguf is converted here
-        args = replace(args, model_path=resolve_model_path(args.model_path))
-    except ValueError as e:
+    sock = None if args.shell else bind_port(args.host, args.port)
+    try:
+        try:
+            args = replace(args, model_path=resolve_model_path(args.model_path))
+        except ValueError as e:  # a path that does not exist, a hub id that does not resolve
+            raise StartupError(str(e)) from None
+        check_model(args.model_path)
+    except BaseException:  # Ctrl-C during a conversion too
+        if sock is not None:
+            sock.close()
+        raise
+    return args, sock
+
+
+def launch(args: ServerArgs) -> int:
+    """Start the whole service and block until it stops. Exit code: 0 after a stop asked for by SIGTERM or
+    Ctrl-C, 1 when a worker died or the port is busy, 2 for a bad model path or model."""
+    signal.signal(signal.SIGTERM, _on_launcher_sigterm)
+    try:
+        args, sock = _prepare(args)
+    except StartupError as e:
         logger.error(f"{e}")
-        return 2
+        return e.code
+    except (KeyboardInterrupt, StopRequested):
+        logger.info("Stopped before the service started")
+        return 0
     args = replace(args, ipc_dir=tempfile.mkdtemp(prefix="minisgl-"))
     if args.tp > 1:
         args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
@@ -304,27 +431,41 @@ def launch(args: ServerArgs) -> int:
     # shorter than a wake-up. W4 on 2 cores: 117 tok/s with no spin, 140 at 5,000, 126 at 100,000.
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
     service = ServiceProcesses(args)
+    code = 0
     try:
         service.start()
         if args.shell:
             from .shell import run_shell
 
             service.wait_ready()
-            return run_shell(args, service)
-        return _serve_http(args, service)
+            code = run_shell(args, service)
+        else:
+            code = _serve_http(args, service, sock)
     except WorkerDied as e:
         logger.error(f"{e}; shutting the service down")
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        code = 1
+    except (KeyboardInterrupt, StopRequested) as e:
+        signame = "SIGTERM" if isinstance(e, StopRequested) else "SIGINT"
+        logger.info(f"{signame} received; stopping the service")
     finally:
+        # a second Ctrl-C or SIGTERM must not cut the cleanup short (stop() is bounded: it kills stragglers)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         service.stop()
+        if sock is not None:
+            sock.close()
         shutil.rmtree(args.ipc_dir, ignore_errors=True)
         logger.info("All processes stopped")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launch(parse_args(argv))
+    """`python -m minisgl`: parse the command line (a bad option exits 2, argparse's way) and launch."""
+    try:
+        args = parse_args(argv)
+    except KeyboardInterrupt:  # a name check may import an optional backend: a Ctrl-C then stops quietly
+        return 0
+    return launch(args)
 
 
 if __name__ == "__main__":

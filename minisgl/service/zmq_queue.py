@@ -24,6 +24,9 @@ def _open(ctx: zmq.Context, kind: int, addr: str, create: bool) -> zmq.Socket:
     # unbounded queues: a slow peer must never make the scheduler block (or drop) a message
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    # a message still queued for a peer that has gone must not make the process's exit wait for it (the
+    # context's teardown blocks on lingering sockets: workers stopped by SIGTERM hung in it until killed)
+    sock.setsockopt(zmq.LINGER, 0)
     if create:
         sock.bind(addr)
     else:

@@ -25,9 +25,13 @@ class Registry(Generic[T]):
         return wrap
 
     def get(self, name: str) -> T:
+        self.check(name)
+        return self._table[name]
+
+    def check(self, name: str) -> None:
+        """Raise ValueError naming the known names if `name` is not one; builds nothing."""
         if name not in self._table:
             raise ValueError(f"unknown {self.kind} {name!r}; supported: {', '.join(self.names())}")
-        return self._table[name]
 
     def names(self) -> list[str]:
         return sorted(self._table)
