@@ -13,6 +13,7 @@ uvicorn shuts down, every worker unwinds on a SIGTERM, exit status 0. A dead wor
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import multiprocessing as mp
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 from minisgl.utils import init_logger
 
@@ -110,9 +111,9 @@ def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int)
             io.run_forever()
         finally:
             io.stop()
-    except SystemExit:
+    except SystemExit as e:
         init_logger(__name__, name).info(f"{name} stopping")
-        raise
+        _exit_now(e.code)
 
 
 def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> None:
@@ -122,12 +123,23 @@ def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> N
     name = kwargs["worker_name"]
     try:
         tokenize_worker(ack_queue=ack_queue, **kwargs)
-    except SystemExit:  # stopped by the launcher (the worker closed its queues on the way out)
+    except SystemExit as e:  # stopped by the launcher (the worker closed its queues on the way out)
         init_logger(__name__, name).info(f"{name} stopping")
-        raise
+        _exit_now(e.code)
     except BaseException as e:
         ack_queue.put((name, {"error": f"{type(e).__name__}: {e}"}))
         raise
+
+
+def _exit_now(code: Any) -> NoReturn:
+    """End a stopped worker without the interpreter's teardown, whose last garbage collection walks every
+    object torch and transformers made: seconds on a busy machine, past the launcher's stop timeout. The
+    worker's queues are closed already; the exit handlers (logging's flush, multiprocessing's finalizers)
+    still run."""
+    atexit._run_exitfuncs()  # what a normal exit runs first; the interpreter's own teardown is skipped
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
 
 
 # ---- in the launcher ---------------------------------------------------------------------------------
