@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,6 +282,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_answering(
+    url: str, alive: Callable[[], bool], output: Callable[[], str], timeout: float = 300
+) -> None:
+    """Block until GET `url` answers 200; raise with the output's tail if the process exits first."""
+    import httpx  # the service's extra: the offline tests run without it
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the service exited:\n{output()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the service did not start:\n{output()[-3000:]}")
+
+
 class Service:
     """`python -m minisgl` in its own session, logging to a file, with a temporary directory of its own
     (the launcher's socket directory `minisgl-*` lives there), removed by `stop` however the service ended."""
@@ -304,23 +323,9 @@ class Service:
             start_new_session=True,
         )
 
-    def wait_ready(self, timeout: float = 300) -> None:
-        """Block until GET /v1/models answers; raise with the log's tail if the service exits first."""
-        import httpx  # the service's extra: the offline tests run without it
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the service exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the service did not start:\n{self.log_text()[-3000:]}")
+    def wait_ready(self, timeout: float = 300, path: str = "/v1/models") -> None:
+        """Block until GET `path` answers; raise with the log's tail if the service exits first."""
+        wait_answering(f"{self.url}{path}", lambda: self.proc.poll() is None, self.log_text, timeout)
 
     def log_text(self) -> str:
         """Everything the service printed so far."""
@@ -350,6 +355,20 @@ class Service:
             pass
         self.log.close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serving(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None, ready_path: str = "/v1/models"
+) -> Iterator[Service]:
+    """A running Service for the `with` block (ready once GET `ready_path` answers), stopped however the
+    block ends."""
+    service = Service(args, log_path, env)
+    try:
+        service.wait_ready(path=ready_path)
+        yield service
+    finally:
+        service.stop()
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -13,12 +13,11 @@ import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 
 import httpx
 import pytest
-from helpers import Service
+from helpers import serving
 from starlette.testclient import TestClient
 from test_server import chat_ids, sse_events
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -53,27 +52,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    service = Service(ARGS, tmp_path_factory.mktemp("details") / "server.log", env={"MINISGL_API_KEY": KEY})
-    try:
-        wait_healthy(service)
+    # /v1/models needs the key here: readiness is /health
+    log = tmp_path_factory.mktemp("details") / "server.log"
+    with serving(ARGS, log, env={"MINISGL_API_KEY": KEY}, ready_path="/health") as service:
         yield service
-    finally:
-        service.stop()
-
-
-def wait_healthy(service: Service, timeout: float = 300) -> None:
-    """Service.wait_ready polls /v1/models, which needs the key here: poll /health instead."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if service.proc.poll() is not None:
-            raise RuntimeError(f"the service exited:\n{service.log_text()[-3000:]}")
-        try:
-            if httpx.get(f"{service.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the service did not start:\n{service.log_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")

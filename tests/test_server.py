@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from helpers import Service, metrics, wait_idle
+from helpers import Service, metrics, serving, wait_idle
 
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.utils.hf import load_tokenizer, resolve_model_path
@@ -46,12 +46,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    service = Service(SERVER_ARGS, tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        service.wait_ready()
+    with serving(SERVER_ARGS, tmp_path_factory.mktemp("server") / "server.log") as service:
         yield service
-    finally:
-        service.stop()
 
 
 @pytest.fixture(scope="module")

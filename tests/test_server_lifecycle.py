@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from helpers import Service, free_port, make_llm, metrics, wait_idle
+from helpers import Service, free_port, make_llm, metrics, serving, wait_idle
 
 openai = pytest.importorskip("openai")
 
@@ -91,12 +91,8 @@ def offline(model) -> list[dict]:
 def tp2(model, tmp_path_factory) -> Iterator[Service]:
     args = ["--model", model, "--tp", "2", "--num-tokenizer", "2", "--dtype", "float32"]
     args += ["--num-pages", "4096", "--max-seq-len-override", str(CONTEXT)]
-    service = Service(args, tmp_path_factory.mktemp("tp2") / "server.log")
-    try:
-        service.wait_ready()
+    with serving(args, tmp_path_factory.mktemp("tp2") / "server.log") as service:
         yield service
-    finally:
-        service.stop()
 
 
 def _generate(service: Service, i: int) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_answering
 
 SERVER_ARGS = ["--dtype", "float32", "--num-pages", "4096", "--max-seq-len-override", "256"]
 MODEL_WORK = ("Started", "Loading", "Serving", "Converting", "Engine ready")  # log lines of model work
@@ -54,16 +54,7 @@ class Launched:
             )
 
     def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the service exited:\n{self.output()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the service did not start:\n{self.output()[-3000:]}")
+        wait_answering(f"{self.url}/v1/models", lambda: self.proc.poll() is None, self.output, timeout)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
