@@ -436,11 +436,11 @@ def launch(args: ServerArgs) -> int:
     if args.tp > 1:
         args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
     # OpenMP threads that spin while waiting collapse when another process needs the same cores, and here
-    # the API server and the tokenizer worker always do: on 2 cores decode slowed down 10x. Sleeping waiters
-    # cost little. Inherited by the spawned workers (read when their OpenMP runtime starts).
+    # the API server and the tokenizer worker always do (docs/BENCHMARKS.md, W4). Sleeping waiters cost
+    # little. Inherited by the spawned workers (read when their OpenMP runtime starts).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # ...but a short spin (~50 us) before sleeping still pays: the gaps between a step's parallel regions are
-    # shorter than a wake-up. W4 on 2 cores: 117 tok/s with no spin, 140 at 5,000, 126 at 100,000.
+    # shorter than a wake-up (the spin counts measured: docs/BENCHMARKS.md, W4).
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
     service = ServiceProcesses(args)
     code = 0
