@@ -59,10 +59,10 @@ class Limits:
                 "context_length_exceeded",
             )
 
-    def check_sequences(self, num_prompts: int, n: int) -> None:
+    def check_sequences(self, num_prompts: int, n: int, prompt: str = "prompt") -> None:
         """prompts x n within --max-sequences-per-request (400 naming `n`, or the prompt when n is 1)."""
         if num_prompts * n > self.max_sequences:
-            param = "n" if n > 1 else "prompt"
+            param = "n" if n > 1 else prompt
             raise APIError(
                 f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
                 f"the limit is {self.max_sequences} (--max-sequences-per-request)",
@@ -211,7 +211,7 @@ def prompts(value: Any, param: str, limits: Limits) -> list[Prompt]:
         items = list(value)
     if not items:
         raise APIError(f"'{param}' must not be empty", param, "invalid_value")
-    limits.check_sequences(len(items), 1)
+    limits.check_sequences(len(items), 1, param)
     out: list[Prompt] = []
     for item in items:
         if not item:
