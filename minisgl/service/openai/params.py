@@ -41,6 +41,12 @@ class Limits:
     max_messages: int  # messages of one chat (each takes at least one token of the context)
     max_sequences: int  # prompts x n
 
+    @property
+    def max_items(self) -> int:
+        """The longest list or object a body may hold. Token ids and messages take a token each, so 4 x the
+        context is far more than can fit; the exact limits answer later, with their own messages."""
+        return max(4 * self.max_messages, self.max_sequences, MAX_LOGIT_BIAS)
+
     @classmethod
     def of(cls, args: ServerArgs, max_seq_len: int) -> Limits:
         context = max(max_seq_len, 1)

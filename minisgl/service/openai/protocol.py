@@ -194,9 +194,10 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(msg, param, "invalid_type")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int, max_items: int | None = None) -> dict[str, Any]:
     """The body as a JSON object; a body over `limit` bytes is drained (so the client can read the
-    answer) and refused. Nesting, strings and integers are bounded (`check_json`)."""
+    answer) and refused. Nesting, strings and the size of every list and object are bounded
+    (`check_json`), before anything costs more than the parse itself."""
     size = 0
     body = bytearray()
     async for chunk in request.stream():
@@ -218,7 +219,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise APIError(_depth_message(), None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object", None, "invalid_json")
-    check_json(data, strings=_SURROGATE_ESCAPE.search(text) is not None)
+    check_json(data, strings=_SURROGATE_ESCAPE.search(text) is not None, max_items=max_items)
     return data
 
 
@@ -229,14 +230,23 @@ def _depth_message() -> str:
     return f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
 
 
-def check_json(data: dict[str, Any], strings: bool) -> None:
-    """Bound the nesting depth; with `strings`, also refuse strings that are not valid UTF-8 (a lone
-    surrogate: the messages between the processes could not carry it). Iterative: no recursion."""
+def check_json(data: dict[str, Any], strings: bool, max_items: int | None = None) -> None:
+    """Bound the nesting depth and (with `max_items`) the length of every list and object; with
+    `strings`, also refuse strings that are not valid UTF-8 (a lone surrogate: the messages between the
+    processes could not carry it). Iterative: no recursion. A list is measured before it is walked, so
+    200,000 chat messages are refused at once, not parsed (pydantic: seconds of the event loop)."""
     stack: list[tuple[Any, int, str]] = [(data, 1, "")]
     while stack:
         node, depth, top = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise APIError(_depth_message(), top or None, "invalid_json")
+        if max_items is not None and len(node) > max_items:
+            field = top or None
+            raise APIError(
+                f"'{field}' holds {len(node)} items; at most {max_items} fit the context",
+                field,
+                "context_length_exceeded",
+            )
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             field = top or str(key)

@@ -79,7 +79,7 @@ class OpenAIServer:
     ) -> Response:
         """Read the body and run `handler`; a client mistake is a 400, a client gone a 499."""
         try:
-            data = await read_json(request, self.args.max_request_bytes)
+            data = await read_json(request, self.args.max_request_bytes, self.limits.max_items)
             return await handler(request, data)
         except APIError as e:
             return self.refuse(e)

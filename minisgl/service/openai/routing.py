@@ -85,6 +85,8 @@ class FrontendManager:
     def abort(self, uids: set[int]) -> None:
         """Stop these requests; safe to call from the `finally` of a cancelled coroutine."""
         order = sorted(uids)
+        if not order:
+            return
         more = f" and {len(order) - 1} more sequences of its request" if len(order) > 1 else ""
         logger.warning(f"Aborting request {order[0]}{more}")  # one line per HTTP request, not per sequence
         for uid in order:
