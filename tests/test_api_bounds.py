@@ -252,3 +252,55 @@ def test_stop_strings_are_bounded(service):
     assert_refused(post(service, "/v1/completions", dict(COMPLETION, stop=["x"] * 17)), "stop")
     assert_refused(post(service, "/v1/completions", dict(COMPLETION, stop=["x" * 257])), "stop")
     assert_still_serving(service)
+
+
+# ---- the workers, without a service ---------------------------------------------------------------------
+class _FailingTokenizer:
+    """Decodes token t as chr(97 + t % 26); token 666 raises."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        if 666 in ids:
+            raise RuntimeError("cannot decode 666")
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_a_detokenizer_failure_ends_only_its_request_and_aborts_it():
+    from minisgl.message import DetokenizeMsg, DetokenizeStartMsg
+    from minisgl.tokenizer import DetokenizeManager
+
+    mgr = DetokenizeManager(_FailingTokenizer())
+    for uid in (1, 2):
+        mgr.start(DetokenizeStartMsg(uid, prompt_len=1, prompt_tail=[0]))
+    replies, stopped = mgr.feed([DetokenizeMsg(1, 666), DetokenizeMsg(2, 1)])
+    assert replies[0].finished and replies[0].finish_reason == "error" and "666" in replies[0].error
+    assert stopped == [1]  # the scheduler is told to stop generating for it
+    assert replies[1].text == "b" and not replies[1].finished
+    replies, _ = mgr.feed([DetokenizeMsg(1, 3), DetokenizeMsg(2, 2, finished=True, finish_reason="length")])
+    assert [r.uid for r in replies] == [2] and replies[0].text == "c"  # request 1's late tokens are dropped
+
+
+def test_the_prompt_tokenizer_turns_every_failure_into_that_requests_error(monkeypatch):
+    from minisgl.core import SamplingParams
+    from minisgl.message import TokenizeMsg
+    from minisgl.service.tokenizer_worker import PromptTokenizer
+
+    class Sent:
+        def __init__(self):
+            self.items = []
+
+        def put(self, obj):
+            self.items.append(obj)
+
+    pt = PromptTokenizer.__new__(PromptTokenizer)
+    pt.vocab_size, pt._last = 100, None
+    pt.send_backend, pt.send_detokenizer = Sent(), Sent()
+    pt.mgr = type("M", (), {"tokenize": staticmethod(lambda msg: msg.input_ids)})()
+    for ids, param in (([5, 2**40], "prompt"), ([5, 100], "prompt"), ([], "prompt")):
+        pt.handle(TokenizeMsg(7, SamplingParams(), input_ids=ids))
+        (error,) = pt.send_detokenizer.items.pop().msgs
+        assert error.uid == 7 and error.finish_reason == "error" and error.error_param == param
+    pt.handle(TokenizeMsg(8, SamplingParams(stop_token_ids=[100]), input_ids=[5]))
+    assert pt.send_detokenizer.items.pop().msgs[0].error_param == "stop_token_ids"
+    assert not pt.send_backend.items  # nothing reached the scheduler
+    pt.handle(TokenizeMsg(9, SamplingParams(), input_ids=[5, 99]))
+    assert pt.send_backend.items[0].input_ids.tolist() == [5, 99]
