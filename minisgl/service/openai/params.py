@@ -38,14 +38,14 @@ class Limits:
     """What one request may ask for, from the options and the context length."""
 
     max_prompt_bytes: int  # UTF-8 bytes of one text prompt, or of a chat's message contents together
-    max_messages: int  # messages of one chat (each takes at least one token of the context)
+    context: int  # tokens; also the most messages of a chat (each takes at least one token)
     max_sequences: int  # prompts x n
 
     @property
     def max_items(self) -> int:
         """The longest list or object a body may hold. Token ids and messages take a token each, so 4 x the
         context is far more than can fit; the exact limits answer later, with their own messages."""
-        return max(4 * self.max_messages, self.max_sequences, MAX_LOGIT_BIAS)
+        return max(4 * self.context, self.max_sequences, MAX_LOGIT_BIAS)
 
     @classmethod
     def of(cls, args: ServerArgs, max_seq_len: int) -> Limits:
@@ -60,7 +60,7 @@ class Limits:
         if size > self.max_prompt_bytes:
             raise APIError(
                 f"'{param}' has {size} bytes of text; at most {self.max_prompt_bytes} can fit the context "
-                f"of {self.max_messages} tokens",
+                f"of {self.context} tokens",
                 param,
                 "context_length_exceeded",
             )
@@ -172,10 +172,9 @@ def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, 
     """The messages as the chat template takes them (text parts joined, `developer` read as `system`)."""
     if not req.messages:
         raise APIError("'messages' must not be empty", "messages", "invalid_value")
-    if len(req.messages) > limits.max_messages:
+    if len(req.messages) > limits.context:
         raise APIError(
-            f"'messages' holds {len(req.messages)} messages; at most {limits.max_messages} can fit the "
-            "context",
+            f"'messages' holds {len(req.messages)} messages; at most {limits.context} can fit the context",
             "messages",
             "context_length_exceeded",
         )
