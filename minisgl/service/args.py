@@ -36,6 +36,14 @@ class ServerArgs(SchedulerConfig):
         0, help="0: one process tokenizes and detokenizes; N: N tokenizers + 1 detokenizer", min=0
     )
     max_request_bytes: int = option(8 << 20, help="larger request bodies get HTTP 400", min=1)
+    max_sequences_per_request: int = option(
+        256, help="the most sequences (prompts x n) one request may ask for; more get HTTP 400", min=1
+    )
+    max_waiting_requests: int = option(
+        1024,
+        help="sequences that may wait beyond the --max-running-req that run; more get HTTP 429",
+        min=0,
+    )
     shell: bool = option(False, help="chat in the terminal instead of serving HTTP")
     ipc_dir: str = ""  # the launcher's private directory for the ZMQ sockets
 

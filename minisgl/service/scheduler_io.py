@@ -3,6 +3,8 @@
 Only rank 0 talks to the tokenizer side. Every loop iteration it forwards what it received (possibly
 nothing) verbatim to the other ranks over PUB/SUB, and every rank applies the same messages before the
 same step, so all ranks make identical decisions. Idle ranks block on their socket; busy ranks only poll.
+A message that fails (a request the scheduler refuses, or anything raised while adding it) becomes an
+error reply for its uid; the loop goes on.
 This module is the service's: the offline path (LLM) never imports it.
 """
 
@@ -126,12 +128,19 @@ class SchedulerIO:
         return msgs
 
     def _apply(self, msg: BackendMsg) -> None:
-        if isinstance(msg, UserMsg):
-            self._add(msg)
-        elif isinstance(msg, AbortMsg):
-            self._abort(msg.uid)
-        else:
-            raise TypeError(f"the scheduler cannot handle {type(msg).__name__}")
+        try:
+            if isinstance(msg, UserMsg):
+                self._add(msg)
+            elif isinstance(msg, AbortMsg):
+                self._abort(msg.uid)
+            else:
+                raise TypeError(f"the scheduler cannot handle {type(msg).__name__}")
+        except Exception as e:  # a message must not take the scheduler down
+            logger.exception(f"handling a {type(msg).__name__} failed")
+            uid = getattr(msg, "uid", None)
+            if isinstance(uid, int) and uid not in self.live:
+                error = f"the request failed in the scheduler: {type(e).__name__}: {e}"
+                self.outbox.append(DetokenizeMsg(uid, finished=True, finish_reason="error", error=error))
 
     def _add(self, msg: UserMsg) -> None:
         if self.early_aborts.pop(msg.uid, None) is not None:  # its client is already gone
@@ -153,6 +162,9 @@ class SchedulerIO:
         """Add the request to the scheduler; with `max_tokens_auto` a max_tokens too large for the context
         becomes "up to the context" instead of an error."""
         input_ids = msg.input_ids.tolist()
+        params = msg.sampling_params
+        if isinstance(params.top_k, int) and params.top_k > self.scheduler.vocab_size:
+            params.top_k = -1  # the same (no limit), and the sampler's int64 tensor of top_k never overflows
         try:
             self.scheduler.add_request(msg.uid, input_ids, msg.sampling_params)
         except InvalidRequest as e:

@@ -3,10 +3,21 @@
 Roles: "both" (`--num-tokenizer 0`: one process tokenizes requests and detokenizes replies), "tokenizer"
 (one of N; the API server's PUSH spreads requests over them) and "detokenizer" (the single one that every
 scheduler reply goes through).
+
+A request never takes the worker down: whatever goes wrong while handling one message becomes an error
+reply for its uid. Tokenizing a large prompt must not stall the other requests' streams: in "both" the
+prompts are tokenized by a thread of their own (the Hugging Face tokenizer releases the GIL while it
+encodes, and the chat template yields it every few ms), which sends its results to the scheduler and,
+through this process's own socket, to the detokenizer, exactly as a separate tokenizer process does.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -31,6 +42,112 @@ from minisgl.utils.hf import load_tokenizer
 from .zmq_queue import ZmqPullQueue, ZmqPushQueue
 
 ROLES = ("both", "tokenizer", "detokenizer")
+INT32_MAX = 2**31 - 1  # the prompt travels as an int32 tensor
+
+logger = init_logger(__name__)
+
+
+def model_vocab_size(model_path: str, tokenizer: Any) -> int:
+    """The model's vocabulary (config.json), which token ids are checked against before they are narrowed
+    to int32; the tokenizer's size where there is no config."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        if isinstance(vocab, int) and vocab > 0:
+            return min(vocab, INT32_MAX)
+    except (OSError, ValueError):
+        pass
+    return min(len(tokenizer), INT32_MAX)
+
+
+class RequestError(ValueError):
+    """A request this worker refuses; `param` names the field by its generic name."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTokenizer:
+    """Tokenizes requests: the UserMsg goes to the scheduler, the DetokenizeStartMsg (or the request's error)
+    to the detokenizer. Owns its two sockets, so only one thread may use it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, backend_addr: str, detokenizer_addr: str) -> None:
+        self.mgr = TokenizeManager(tokenizer)
+        self.vocab_size = vocab_size
+        self.send_backend: ZmqPushQueue[Any] = ZmqPushQueue(backend_addr, create=False, encoder=dumps)
+        self.send_detokenizer: ZmqPushQueue[Any] = ZmqPushQueue(detokenizer_addr, create=False, encoder=dumps)
+        self._last: tuple[Any, list[int]] | None = None  # the n choices of a prompt are tokenized once
+
+    def handle(self, msg: TokenizeMsg) -> None:
+        try:
+            self._tokenize(msg)
+        except Exception as e:  # noqa: BLE001 - a bad prompt must not take the worker down, only fail itself
+            if isinstance(e, RequestError):
+                text, param = str(e), e.param
+            else:
+                text, param = f"cannot tokenize: {e}", "prompt"
+            error = DetokenizeMsg(
+                msg.uid, finished=True, finish_reason="error", error=text, error_param=param
+            )
+            self.send_detokenizer.put(BatchDetokenizeMsg([error]))
+
+    def _ids(self, msg: TokenizeMsg) -> list[int]:
+        key = (msg.text, msg.messages, msg.input_ids)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        ids = self.mgr.tokenize(msg)
+        self._last = (key, ids)
+        return ids
+
+    def _check_ids(self, ids: list[int], param: str, what: str) -> None:
+        # before the int32 tensor: an id beyond it would raise there, or wrap
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise RequestError(f"{what} must be in [0, {self.vocab_size})", param)
+
+    def _tokenize(self, msg: TokenizeMsg) -> None:
+        input_ids = self._ids(msg)
+        if not input_ids:
+            raise RequestError("the prompt is empty after tokenization", "prompt")
+        self._check_ids(input_ids, "prompt", "prompt token ids")
+        self._check_ids(msg.sampling_params.stop_token_ids, "stop_token_ids", "'stop_token_ids'")
+        ids = torch.tensor(input_ids, dtype=torch.int32)
+        start = DetokenizeStartMsg(
+            uid=msg.uid,
+            prompt_len=len(input_ids),
+            prompt_tail=input_ids[-8:],
+            stop=msg.stop,
+            stop_token_ids=list(msg.sampling_params.stop_token_ids),
+            logprobs=msg.sampling_params.logprobs,
+        )
+        # the detokenizer keeps tokens that outrun their start message until it arrives
+        self.send_detokenizer.put(start)
+        self.send_backend.put(UserMsg(msg.uid, ids, msg.sampling_params, max_tokens_auto=msg.max_tokens_auto))
+
+    def stop(self) -> None:
+        self.send_backend.stop()
+        self.send_detokenizer.stop()
+
+
+class TokenizeThread(threading.Thread):
+    """A PromptTokenizer in a thread of its own, fed through a queue (`put`; None stops it)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, backend_addr: str, detokenizer_addr: str) -> None:
+        super().__init__(name="minisgl-tokenize", daemon=True)
+        self.args = (tokenizer, vocab_size, backend_addr, detokenizer_addr)
+        self.inbox: queue.Queue[TokenizeMsg | None] = queue.Queue()
+
+    def put(self, msg: TokenizeMsg | None) -> None:
+        self.inbox.put(msg)
+
+    def run(self) -> None:
+        tokenizer = PromptTokenizer(*self.args)  # its sockets are made and used in this thread only
+        try:
+            while (msg := self.inbox.get()) is not None:
+                tokenizer.handle(msg)
+        finally:
+            tokenizer.stop()
 
 
 class TokenizerWorker:
@@ -45,87 +162,86 @@ class TokenizerWorker:
         backend_addr: str,
         frontend_addr: str | None,
         detokenizer_addr: str | None,
+        vocab_size: int = INT32_MAX,
     ) -> None:
         assert role in ROLES, role
         self.role = role
-        self.tokenize_mgr = TokenizeManager(tokenizer)
         self.detokenize_mgr = DetokenizeManager(tokenizer)
         self.recv: ZmqPullQueue[Any] = ZmqPullQueue(recv_addr, create=recv_create, decoder=loads)
         self.send_backend: ZmqPushQueue[Any] = ZmqPushQueue(backend_addr, create=False, encoder=dumps)
         self.send_frontend: ZmqPushQueue[Any] | None = None
-        self.send_detokenizer: ZmqPushQueue[Any] | None = None
+        self.tokenizer: PromptTokenizer | None = None  # "tokenizer": prompts are tokenized inline
+        self.thread: TokenizeThread | None = None  # "both": by a thread, between the replies
+        self.pending: deque[TokenizeMsg] = deque()  # "tokenizer": prompts received, not yet tokenized
         if role in ("both", "detokenizer"):
             assert frontend_addr is not None
             self.send_frontend = ZmqPushQueue(frontend_addr, create=False, encoder=dumps)
         if role == "tokenizer":
             assert detokenizer_addr is not None
-            self.send_detokenizer = ZmqPushQueue(detokenizer_addr, create=False, encoder=dumps)
+            self.tokenizer = PromptTokenizer(tokenizer, vocab_size, backend_addr, detokenizer_addr)
+        if role == "both":  # the thread sends its detokenizer messages to this process's own socket
+            self.thread = TokenizeThread(tokenizer, vocab_size, backend_addr, recv_addr)
+            self.thread.start()
 
     def run_forever(self) -> None:
         while True:
-            msgs = [self.recv.get()] + self.recv.get_all()  # block for one, then take whatever else waits
-            self.handle(msgs)
+            self.run_once()
+
+    def run_once(self) -> None:
+        """Take every waiting message (block for one unless a prompt is pending) and handle them; a
+        tokenizer tokenizes one prompt per round, so an abort or the next request never waits long."""
+        msgs = [] if self.pending else [self.recv.get()]
+        msgs += self.recv.get_all()
+        if self.tokenizer is not None:
+            self.pending.extend(m for m in msgs if isinstance(m, TokenizeMsg))
+            msgs = [m for m in msgs if not isinstance(m, TokenizeMsg)]
+            if self.pending:
+                msgs.append(self.pending.popleft())
+        self.handle([m for m in msgs if m is not None])
 
     def handle(self, msgs: list[Any]) -> None:
         replies: list[UserReply] = []
         for msg in msgs:
-            if isinstance(msg, TokenizeMsg):
-                replies += self._tokenize(msg)
-            elif isinstance(msg, AbortMsg):
-                self.send_backend.put(msg)
-            elif isinstance(msg, DetokenizeStartMsg):
-                replies += self._detokenize_start(msg)
-            elif isinstance(msg, BatchDetokenizeMsg):
-                replies += self._detokenize(msg.msgs)
-            elif isinstance(msg, StatsMsg):
-                assert self.send_frontend is not None
-                self.send_frontend.put(msg)
-            else:
-                raise TypeError(f"the {self.role} worker cannot handle {type(msg).__name__}")
+            try:
+                replies += self._handle_one(msg)
+            except Exception as e:  # noqa: BLE001 - one message must not take the worker down (logged)
+                replies += self._failed(msg, e)
         if replies:
             assert self.send_frontend is not None
             self.send_frontend.put(BatchFrontendMsg(replies))
 
-    def _tokenize(self, msg: TokenizeMsg) -> list[UserReply]:
-        try:
-            input_ids = self.tokenize_mgr.tokenize(msg)
-            if not input_ids:
-                raise ValueError("the prompt is empty after tokenization")
-            ids = torch.tensor(input_ids, dtype=torch.int32)  # raises for ids beyond int32
-        except Exception as e:  # noqa: BLE001 - a bad prompt must not take the worker down, only fail itself
-            error = DetokenizeMsg(
-                msg.uid,
-                finished=True,
-                finish_reason="error",
-                error=f"cannot tokenize: {e}",
-                error_param="prompt",
-            )
-            if self.send_detokenizer is not None:
-                self.send_detokenizer.put(BatchDetokenizeMsg([error]))
-                return []
-            return self.detokenize_mgr.feed([error])[0]
-        start = DetokenizeStartMsg(
-            uid=msg.uid,
-            prompt_len=len(input_ids),
-            prompt_tail=input_ids[-8:],
-            stop=msg.stop,
-            stop_token_ids=list(msg.sampling_params.stop_token_ids),
-            logprobs=msg.sampling_params.logprobs,
-        )
-        replies: list[UserReply] = []
-        if self.send_detokenizer is not None:  # registered there before the scheduler can answer
-            self.send_detokenizer.put(start)
+    def _handle_one(self, msg: Any) -> list[UserReply]:
+        if isinstance(msg, TokenizeMsg):
+            if self.thread is not None:
+                self.thread.put(msg)
+            else:
+                assert self.tokenizer is not None, f"the {self.role} worker does not tokenize"
+                self.tokenizer.handle(msg)
+        elif isinstance(msg, AbortMsg):
+            self.send_backend.put(msg)
+        elif isinstance(msg, DetokenizeStartMsg):
+            return self._detokenize_start(msg)
+        elif isinstance(msg, BatchDetokenizeMsg):
+            return self._detokenize(msg.msgs)
+        elif isinstance(msg, StatsMsg):
+            assert self.send_frontend is not None
+            self.send_frontend.put(msg)
         else:
-            replies = self._detokenize_start(start)
-        self.send_backend.put(
-            UserMsg(
-                uid=msg.uid,
-                input_ids=ids,
-                sampling_params=msg.sampling_params,
-                max_tokens_auto=msg.max_tokens_auto,
-            )
-        )
-        return replies
+            raise TypeError(f"the {self.role} worker cannot handle {type(msg).__name__}")
+        return []
+
+    def _failed(self, msg: Any, e: Exception) -> list[UserReply]:
+        """The error replies for the requests `msg` belongs to; each of them is aborted."""
+        logger.exception(f"the {self.role} worker failed on a {type(msg).__name__}")
+        text = f"the request failed in the {self.role} worker: {type(e).__name__}: {e}"
+        uids = [m.uid for m in msg.msgs] if isinstance(msg, BatchDetokenizeMsg) else []
+        uids += [msg.uid] if isinstance(msg, (DetokenizeStartMsg, TokenizeMsg)) else []
+        replies = []
+        for uid in dict.fromkeys(uids):
+            self.detokenize_mgr.drop(uid)
+            self.send_backend.put(AbortMsg(uid))
+            replies.append(UserReply(uid, finished=True, finish_reason="error", error=text))
+        return replies if self.send_frontend is not None else []
 
     def _detokenize_start(self, msg: DetokenizeStartMsg) -> list[UserReply]:
         replies, stopped = self.detokenize_mgr.start(msg)
@@ -142,7 +258,12 @@ class TokenizerWorker:
             self.send_backend.put(AbortMsg(uid))
 
     def stop(self) -> None:
-        for q in (self.recv, self.send_backend, self.send_frontend, self.send_detokenizer):
+        if self.thread is not None:
+            self.thread.put(None)
+            self.thread.join(1.0)
+        if self.tokenizer is not None:
+            self.tokenizer.stop()
+        for q in (self.recv, self.send_backend, self.send_frontend):
             if q is not None:
                 q.stop()
 
@@ -163,8 +284,9 @@ def tokenize_worker(
     logger = init_logger(__name__, worker_name)
     torch.set_num_threads(1)  # the scheduler needs the cores
     tokenizer = load_tokenizer(tokenizer_path)
+    vocab = model_vocab_size(tokenizer_path, tokenizer)
     worker = TokenizerWorker(
-        role, tokenizer, recv_addr, recv_create, backend_addr, frontend_addr, detokenizer_addr
+        role, tokenizer, recv_addr, recv_create, backend_addr, frontend_addr, detokenizer_addr, vocab
     )
     logger.info(f"{worker_name} ready ({role})")
     if ack_queue is not None:

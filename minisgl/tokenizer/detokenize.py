@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, TokenLogprob, UserReply
+from minisgl.utils import init_logger
+
+logger = init_logger(__name__)
 
 PROMPT_CONTEXT = (
     4  # last prompt tokens decoded before the first output token (word-boundary spaces come out right)
@@ -133,7 +136,13 @@ class DetokenizeManager:
                 else:
                     self.early.setdefault(msg.uid, []).append(msg)
                 continue
-            reply = self._step(msg.uid, state, msg)
+            try:
+                reply = self._step(msg.uid, state, msg)
+            except Exception as e:
+                logger.exception(f"detokenizing request {msg.uid} failed")
+                error = f"the request failed in the detokenizer: {type(e).__name__}: {e}"
+                reply = UserReply(msg.uid, finished=True, finish_reason="error", error=error)
+                msg = DetokenizeMsg(msg.uid, finished=msg.finished)  # unfinished: aborted (below)
             replies.append(reply)
             if reply.finished:
                 del self.states[msg.uid]
@@ -141,6 +150,12 @@ class DetokenizeManager:
                     self.dropped.add(msg.uid)
                     stopped.append(msg.uid)
         return replies, stopped
+
+    def drop(self, uid: int) -> None:
+        """Forget a request that failed here; the scheduler's messages for it are ignored until its last."""
+        if self.states.pop(uid, None) is not None:
+            self.dropped.add(uid)
+        self.early.pop(uid, None)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -36,13 +36,37 @@ class APIError(Exception):
     """A client mistake: HTTP 400 (or `status`) with an OpenAI-style error object naming the field."""
 
     def __init__(
-        self, message: str, param: str | None = None, code: str | None = None, status: int = 400
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
+        self.type, self.headers = type, headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_object(self.message, self.param, self.code), status_code=self.status)
+        body = error_object(self.message, self.param, self.code, self.type)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+RETRY_AFTER_S = 1  # what an overloaded service asks a client to wait
+
+
+def overloaded(waiting: int, limit: int) -> APIError:
+    """HTTP 429 as OpenAI answers a rate limit, with `Retry-After`: too many sequences wait already."""
+    return APIError(
+        f"the service is overloaded: {waiting} sequences would wait to run, more than "
+        f"{limit} (--max-waiting-requests); retry after {RETRY_AFTER_S} s",
+        None,
+        "rate_limit_exceeded",
+        status=429,
+        type="requests",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def model_not_found(name: str) -> APIError:

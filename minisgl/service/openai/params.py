@@ -1,24 +1,81 @@
 """A request body -> SamplingParams, stop strings, n and the prompts.
 
 Only what is HTTP's own is decided here (defaults, `n`, splitting `stop` into strings and token ids,
-top_k 0 meaning no limit, the shapes of prompts and messages); the rules on the values are
-SamplingParams.validate's and the Scheduler's, the same as the offline path's.
+top_k 0 meaning no limit, `logit_bias` keys, the shapes of prompts and messages, and the limits that
+keep one request from taking the service: `Limits`); the rules on the values are SamplingParams.validate's
+and the Scheduler's, the same as the offline path's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.message import TokenizeMsg
 
 from .errors import APIError, FieldNames
-from .protocol import ChatCompletionRequest, SamplingBody
+from .protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, SamplingBody
+
+if TYPE_CHECKING:
+    from ..args import ServerArgs
 
 MAX_N = 128  # choices per request
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# A token of any tokenizer seen holds at most a few dozen bytes of text (long runs of spaces or of "="),
+# so a prompt of more than context x 32 bytes cannot fit the context: it is refused before it is tokenized
+# (tokenizing megabytes would hold the tokenizer worker for seconds, and every stream with it)
+BYTES_PER_TOKEN = 32
+MAX_STOP = 16  # stop strings per request: the detokenizer looks for each after every token
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, from the options and the context length."""
+
+    max_prompt_bytes: int  # UTF-8 bytes of one text prompt, or of a chat's message contents together
+    context: int  # tokens; also the most messages of a chat (each takes at least one token)
+    max_sequences: int  # prompts x n
+
+    @property
+    def max_items(self) -> int:
+        """The longest list or object a body may hold. Token ids and messages take a token each, so 4 x the
+        context is far more than can fit; the exact limits answer later, with their own messages."""
+        return max(4 * self.context, self.max_sequences, MAX_LOGIT_BIAS)
+
+    @classmethod
+    def of(cls, args: ServerArgs, max_seq_len: int) -> Limits:
+        context = max(max_seq_len, 1)
+        return cls(context * BYTES_PER_TOKEN, context, args.max_sequences_per_request)
+
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse a text that cannot fit the context, before anything tokenizes it."""
+        if 4 * len(text) <= self.max_prompt_bytes:  # a character is at most 4 bytes: no need to encode
+            return
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise APIError(
+                f"'{param}' has {size} bytes of text; at most {self.max_prompt_bytes} can fit the context "
+                f"of {self.context} tokens",
+                param,
+                "context_length_exceeded",
+            )
+
+    def check_sequences(self, num_prompts: int, n: int, prompt: str = "prompt") -> None:
+        """prompts x n within --max-sequences-per-request (400 naming `n`, or the prompt when n is 1)."""
+        if num_prompts * n > self.max_sequences:
+            param = "n" if n > 1 else prompt
+            raise APIError(
+                f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                f"the limit is {self.max_sequences} (--max-sequences-per-request)",
+                param,
+                "invalid_value",
+            )
+
 
 Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): exactly one is set
 
@@ -34,7 +91,8 @@ class Sampling:
     def for_choice(self, i: int) -> SamplingParams:
         """Choice i of n: its own seed (seed + i), so the choices differ yet are reproducible."""
         p = self.params
-        seed = None if p.seed is None else p.seed + i
+        # wrapped into 64 bits: seed 2**63 - 1 with n > 1 still travels (msgpack carries 64-bit ints)
+        seed = None if p.seed is None else (p.seed + i + 2**63) % 2**64 - 2**63
         return dataclasses.replace(p, seed=seed, stop_token_ids=list(p.stop_token_ids))
 
 
@@ -43,6 +101,7 @@ def sampling(
 ) -> Sampling:
     """The SamplingParams of a body (no `max_tokens`: up to the context), checked by the shared rules."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    _check_stops(stops, req.stop_token_ids or [])
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_k=-1 if req.top_k in (None, 0) else req.top_k,
@@ -53,6 +112,10 @@ def sampling(
         stop_token_ids=[s for s in stops if isinstance(s, int)] + list(req.stop_token_ids or []),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        frequency_penalty=_real(req.frequency_penalty, 0.0),
+        presence_penalty=_real(req.presence_penalty, 0.0),
+        repetition_penalty=_real(req.repetition_penalty, 1.0),
+        logit_bias=logit_bias(req.logit_bias),
     )
     try:
         params.validate()
@@ -64,10 +127,57 @@ def sampling(
     return Sampling(params, [s for s in stops if isinstance(s, str) and s], n)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _real(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
+
+
+def _check_stops(stops: list[str | int], stop_token_ids: list[int]) -> None:
+    strings = [s for s in stops if isinstance(s, str)]
+    if len(strings) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in strings):
+        raise APIError(
+            f"'stop' may hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
+            "stop",
+            "invalid_value",
+        )
+    if len(stops) - len(strings) + len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop", "invalid_value")
+
+
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")  # JSON keys are strings: a token id in decimal digits
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """`logit_bias` with its keys as token ids (the values are SamplingParams.validate's to check)."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+            "logit_bias",
+            "invalid_value",
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise APIError(
+                f"'logit_bias' keys must be token ids (decimal digits), got {key[:32]!r}",
+                "logit_bias",
+                "invalid_value",
+            )
+        out[int(key)] = value
+    return out
+
+
+def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, str]]:
     """The messages as the chat template takes them (text parts joined, `developer` read as `system`)."""
     if not req.messages:
         raise APIError("'messages' must not be empty", "messages", "invalid_value")
+    if len(req.messages) > limits.context:
+        raise APIError(
+            f"'messages' holds {len(req.messages)} messages; at most {limits.context} can fit the context",
+            "messages",
+            "context_length_exceeded",
+        )
     out = []
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:
@@ -85,10 +195,17 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         else:
             content = m.content or ""
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    limits.check_text("".join(m["content"] for m in out), "messages")  # the template adds little
     return out
 
 
-def prompts(value: Any, param: str) -> list[Prompt]:
+def chat_fan_out(messages: list[dict[str, str]], s: Sampling, limits: Limits) -> list[TokenizeMsg]:
+    """One TokenizeMsg per choice of a chat."""
+    limits.check_sequences(1, s.n)
+    return [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop) for i in range(s.n)]
+
+
+def prompts(value: Any, param: str, limits: Limits) -> list[Prompt]:
     """A string, token ids, or a list of either -> a list of prompts (the token ids are the Scheduler's
     to check)."""
     if isinstance(value, str):
@@ -99,18 +216,22 @@ def prompts(value: Any, param: str) -> list[Prompt]:
         items = list(value)
     if not items:
         raise APIError(f"'{param}' must not be empty", param, "invalid_value")
+    limits.check_sequences(len(items), 1, param)
     out: list[Prompt] = []
     for item in items:
         if not item:
             raise APIError(
                 f"'{param}' must not be empty (nor contain an empty prompt)", param, "invalid_value"
             )
+        if isinstance(item, str):
+            limits.check_text(item, param)
         out.append((item, None) if isinstance(item, str) else (None, list(item)))
     return out
 
 
-def fan_out(prompt_list: list[Prompt], s: Sampling) -> tuple[list[TokenizeMsg], list[int]]:
+def fan_out(prompt_list: list[Prompt], s: Sampling, limits: Limits) -> tuple[list[TokenizeMsg], list[int]]:
     """One TokenizeMsg per (prompt, choice), prompt-major, and the prompt index of each."""
+    limits.check_sequences(len(prompt_list), s.n)
     msgs: list[TokenizeMsg] = []
     index: list[int] = []
     for p, (text, ids) in enumerate(prompt_list):

@@ -1,18 +1,34 @@
-"""The request bodies (strict pydantic models), reading a body, and what a field must be when it is wrong."""
+"""The request bodies (strict pydantic models), reading a body, and what a field must be when it is wrong.
+
+Everything a client sends is bounded here before anything else looks at it: the body's size, its JSON
+nesting depth, its strings (valid UTF-8: no lone surrogates), every integer (64 bits, what the messages
+between the processes carry), and the OpenAI fields this server does not implement (HTTP 400 naming
+the field, code `unsupported_parameter`; see UNSUPPORTED).
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import APIError
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# every integer of a body: msgpack carries at most 64 bits, and the rules on the values (SamplingParams,
+# the Scheduler) then see a plain int; a token id is checked against the vocabulary by the tokenizer worker
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) nests 5 levels
+MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's own limit)
+
 
 class _Body(BaseModel):
-    # strict: "5" is not an integer and true is not a number; unknown OpenAI fields are accepted and ignored
+    # strict: "5" is not an integer and true is not a number; unknown fields are accepted and ignored, but
+    # OpenAI fields this server does not implement are refused (UNSUPPORTED, checked by `parse`)
     model_config = ConfigDict(strict=True, extra="allow")
 
 
@@ -26,17 +42,21 @@ class SamplingBody(_Body):
     """The sampling fields shared by chat, completions and /generate's `sampling_params`."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    n: int | None = None
-    stop: str | list[str | int] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    top_k: Int64 | None = None
+    n: Int64 | None = None
+    stop: str | list[str | Int64] | None = None
+    stop_token_ids: list[Int64] | None = None
+    seed: Int64 | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
 
     @property
     def include_usage(self) -> bool:
@@ -62,26 +82,42 @@ class ChatCompletionRequest(SamplingBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
 
 class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
+    logprobs: Int64 | None = None
     echo: bool | None = None
 
 
 class GenerateRequest(_Body):
-    """POST /generate (SGLang's native shape)."""
+    """POST /generate (SGLang's native shape). A top-level `max_tokens` (or `max_new_tokens`) is read as
+    `sampling_params.max_new_tokens` when that is not given."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int64] | list[list[Int64]] | None = None
     sampling_params: dict[str, Any] | None = None
     stream: bool | None = None
+    max_tokens: Int64 | None = None
+    max_new_tokens: Int64 | None = None
+
+    @model_validator(mode="after")
+    def _top_level_max_tokens(self) -> GenerateRequest:
+        top = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
+        sp = dict(self.sampling_params or {})
+        inner = sp.get("max_new_tokens")  # an extra field of SamplingBody: bounded here
+        if isinstance(inner, int) and not INT64_MIN <= inner <= INT64_MAX:
+            msg = _range_message("max_new_tokens", {"input": inner})
+            raise APIError(msg, "max_new_tokens", "invalid_value")  # not a ValueError: pydantic passes it on
+        if top is not None and sp.get("max_new_tokens", sp.get("max_tokens")) is None:
+            sp["max_new_tokens"] = top
+            self.sampling_params = sp
+        return self
 
 
 TYPE_HINTS = {  # what a field must be, for the error message
@@ -92,7 +128,51 @@ TYPE_HINTS = {  # what a field must be, for the error message
     "stop": "a string or a list of strings / token ids",
     "text": "a string or a list of strings",
     "input_ids": "a list of token ids or a list of token-id lists",
+    "logit_bias": "an object mapping token ids to numbers",
 }
+
+
+def _is_off(value: Any) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+# OpenAI chat / completions fields not implemented here, and the values that mean "not used" (accepted).
+# Accepted as no-ops (they change nothing a client can see): user, metadata, store, service_tier,
+# prompt_cache_key, safety_identifier, parallel_tool_calls (no tools), stream_options.include_obfuscation.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v is None or v == 1,  # several candidates ranked by logprob: not implemented
+    "suffix": _is_off,  # insertion (fill-in-the-middle)
+    "echo": _is_off,  # the prompt echoed in the completion
+    "tools": _is_off,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": _is_off,
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "audio": _is_off,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _is_off,
+    "reasoning_effort": _is_off,
+    "verbosity": _is_off,
+    "web_search_options": _is_off,
+    "min_p": lambda v: v is None or v == 0,  # vLLM extensions seen often
+    "min_tokens": lambda v: v is None or v == 0,
+    "guided_json": _is_off,
+    "guided_regex": _is_off,
+    "guided_choice": _is_off,
+    "guided_grammar": _is_off,
+}
+
+
+def check_supported(data: dict[str, Any]) -> None:
+    """Refuse a field this server does not implement when it asks for something (HTTP 400 naming it)."""
+    for name, is_unused in UNSUPPORTED.items():
+        if name in data and not is_unused(data[name]):
+            raise APIError(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+
+
+def _range_message(param: str, err: dict[str, Any]) -> str:
+    value = err.get("input")
+    return f"'{param}' must be an integer in [{INT64_MIN}, {INT64_MAX}], got {value}"
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -104,15 +184,20 @@ def validation_error(e: ValidationError) -> APIError:
         param += f"[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 and isinstance(loc[2], str) else "")
     if err["type"] == "missing":
         return APIError(f"'{param}' is required", param, "missing_required_parameter")
+    if err["type"] in ("greater_than_equal", "less_than_equal"):
+        return APIError(_range_message(str(param), err), param, "invalid_value")
+    if err["type"] == "value_error":  # a model validator's own message
+        return APIError(str(err.get("ctx", {}).get("error", err["msg"])), param, "invalid_value")
     field_name = param.rsplit(".", 1)[-1] if param else ""
     hint = TYPE_HINTS.get(field_name)
     msg = f"'{param}' must be {hint}" if hint else f"invalid '{param}': {err['msg']}"
     return APIError(msg, param, "invalid_type")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int, max_items: int | None = None) -> dict[str, Any]:
     """The body as a JSON object; a body over `limit` bytes is drained (so the client can read the
-    answer) and refused."""
+    answer) and refused. Nesting, strings and the size of every list and object are bounded
+    (`check_json`), before anything costs more than the parse itself."""
     size = 0
     body = bytearray()
     async for chunk in request.stream():
@@ -126,17 +211,68 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
             "request_too_large",
         )
     try:
-        data = json.loads(body)
+        text = body.decode("utf-8")  # strict: encoded surrogates are not UTF-8
+        data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(_depth_message(), None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object", None, "invalid_json")
+    check_json(data, strings=_SURROGATE_ESCAPE.search(text) is not None, max_items=max_items)
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape: maybe a lone surrogate
+
+
+def _depth_message() -> str:
+    return f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+
+
+def check_json(data: dict[str, Any], strings: bool, max_items: int | None = None) -> None:
+    """Bound the nesting depth and (with `max_items`) the length of every list and object; with
+    `strings`, also refuse strings that are not valid UTF-8 (a lone surrogate: the messages between the
+    processes could not carry it). Iterative: no recursion. A list is measured before it is walked, so
+    200,000 chat messages are refused at once, not parsed (pydantic: seconds of the event loop)."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        node, depth, top = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(_depth_message(), top or None, "invalid_json")
+        if max_items is not None and len(node) > max_items:
+            field = top or None
+            raise APIError(
+                f"'{field}' holds {len(node)} items; at most {max_items} fit the context",
+                field,
+                "context_length_exceeded",
+            )
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            field = top or str(key)
+            if strings and isinstance(key, str):
+                _check_utf8(key, field)
+            if isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, field))
+            elif strings and isinstance(value, str):
+                _check_utf8(value, field)
+
+
+def _check_utf8(s: str, field: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(
+            f"'{field}' holds a lone surrogate (\\ud800-\\udfff): not valid UTF-8", field, "invalid_value"
+        ) from None
 
 
 def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
     """`data` as a `model`, or the APIError naming the first bad field."""
+    check_supported(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    except RecursionError:  # pragma: no cover - check_json bounds the depth first
+        raise APIError(_depth_message(), None, "invalid_json") from None

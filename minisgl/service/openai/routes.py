@@ -29,7 +29,7 @@ from .errors import (
     error_response,
     model_not_found,
 )
-from .params import chat_messages, fan_out, prompts, sampling
+from .params import Limits, chat_fan_out, chat_messages, fan_out, prompts, sampling
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,6 +69,7 @@ class OpenAIServer:
     def __init__(self, args: ServerArgs, max_seq_len: int, health: Callable[[], bool]) -> None:
         self.args, self.max_seq_len, self.health = args, max_seq_len, health
         self.created = int(time.time())
+        self.limits = Limits.of(args, max_seq_len)
         self._frontend: FrontendManager | None = None
 
     @property
@@ -93,7 +94,7 @@ class OpenAIServer:
     ) -> Response:
         """Read the body and run `handler`; a client mistake is a 400, a client gone a 499."""
         try:
-            data = await read_json(request, self.args.max_request_bytes)
+            data = await read_json(request, self.args.max_request_bytes, self.limits.max_items)
             return await handler(request, data)
         except APIError as e:
             return self.refuse(e)
@@ -104,6 +105,7 @@ class OpenAIServer:
     async def run(self, request: Request, job: Job) -> Response:
         """Submit the job's choices, then answer with one JSON body or an SSE stream. A rejected request
         is a plain HTTP 400 even when streaming (the first reply is awaited before the stream opens)."""
+        self.frontend.check_capacity(len(job.msgs))  # HTTP 429 when too many sequences wait
         gen = Generation(self.frontend, job.prompt_index)
         for msg, c in zip(job.msgs, gen.choices):
             msg.uid = c.uid
@@ -171,7 +173,7 @@ class OpenAIServer:
     async def chat(self, request: Request, data: dict[str, Any]) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
         model = self.model_name(req.model)
-        messages = chat_messages(req)
+        messages = chat_messages(req, self.limits)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
@@ -180,7 +182,7 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
         s = sampling(req, max_tokens, names, bool(req.logprobs), top)
         self.frontend.metrics.requests.labels("chat").inc()
-        msgs = [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop) for i in range(s.n)]
+        msgs = chat_fan_out(messages, s, self.limits)
         renderer = ChatRenderer(
             model,
             f"chatcmpl-{next(_rids)}",
@@ -192,7 +194,7 @@ class OpenAIServer:
     async def completions(self, request: Request, data: dict[str, Any]) -> Response:
         req: CompletionRequest = parse(CompletionRequest, data)
         model = self.model_name(req.model)
-        prompt_list = prompts(req.prompt, "prompt")
+        prompt_list = prompts(req.prompt, "prompt", self.limits)
         if req.echo:
             raise APIError("'echo' is not supported", "echo", "unsupported_parameter")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
@@ -200,7 +202,7 @@ class OpenAIServer:
         names = FieldNames("prompt")
         s = sampling(req, req.max_tokens, names, req.logprobs is not None, req.logprobs or 0)
         self.frontend.metrics.requests.labels("completions").inc()
-        msgs, index = fan_out(prompt_list, s)
+        msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = CompletionRenderer(
             model,
             f"cmpl-{next(_rids)}",
@@ -214,7 +216,7 @@ class OpenAIServer:
         if (req.text is None) == (req.input_ids is None):
             raise APIError("give exactly one of 'text' and 'input_ids'", "text", "invalid_value")
         param = "text" if req.text is not None else "input_ids"
-        prompt_list = prompts(req.text if req.text is not None else req.input_ids, param)
+        prompt_list = prompts(req.text if req.text is not None else req.input_ids, param, self.limits)
         sp: SamplingBody = parse(SamplingBody, dict(req.sampling_params or {}))
         max_new = (sp.model_extra or {}).get("max_new_tokens", sp.max_tokens)
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)):
@@ -222,7 +224,7 @@ class OpenAIServer:
         names = FieldNames(param, "max_new_tokens")
         s = sampling(sp, max_new, names, False, 0)
         self.frontend.metrics.requests.labels("generate").inc()
-        msgs, index = fan_out(prompt_list, s)
+        msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
 

@@ -29,7 +29,7 @@ from minisgl.utils import init_logger
 
 from ..args import ServerArgs
 from ..zmq_queue import ZmqAsyncPullQueue, ZmqAsyncPushQueue
-from .errors import ClientGone
+from .errors import ClientGone, overloaded
 from .metrics import Metrics
 
 logger = init_logger(__name__, "api")
@@ -46,6 +46,7 @@ class FrontendManager:
             args.request_addr, create=args.num_tokenizer > 0, encoder=dumps
         )
         self.recv: ZmqAsyncPullQueue[Any] = ZmqAsyncPullQueue(args.frontend_addr, create=True, decoder=loads)
+        self.args = args
         self.uids = itertools.count()
         self.queues: dict[int, asyncio.Queue[UserReply]] = {}
         self.metrics = Metrics()
@@ -83,9 +84,20 @@ class FrontendManager:
 
     def abort(self, uids: set[int]) -> None:
         """Stop these requests; safe to call from the `finally` of a cancelled coroutine."""
-        for uid in sorted(uids):
-            logger.warning(f"Aborting request {uid}")
+        order = sorted(uids)
+        if not order:
+            return
+        more = f" and {len(order) - 1} more sequences of its request" if len(order) > 1 else ""
+        logger.warning(f"Aborting request {order[0]}{more}")  # one line per HTTP request, not per sequence
+        for uid in order:
             self.send.put_nowait(AbortMsg(uid))
+
+    def check_capacity(self, new: int) -> None:
+        """Raise HTTP 429 when `new` more sequences would leave more than --max-waiting-requests waiting
+        beyond the --max-running-req that can run (every uid in flight counts until it finishes)."""
+        waiting = len(self.queues) + new - self.args.max_running_req
+        if waiting > self.args.max_waiting_requests:
+            raise overloaded(waiting, self.args.max_waiting_requests)
 
     def stop(self) -> None:
         if self._listener is not None:
