@@ -258,6 +258,12 @@ def test_stop_strings_are_bounded(service):
 class _FailingTokenizer:
     """Decodes token t as chr(97 + t % 26); token 666 raises."""
 
+    def get_vocab(self):
+        return {}  # no byte-level pieces: a token's bytes are its text
+
+    def convert_ids_to_tokens(self, token_id):
+        return self.decode([token_id])
+
     def decode(self, ids, skip_special_tokens=True):
         if 666 in ids:
             raise RuntimeError("cannot decode 666")
