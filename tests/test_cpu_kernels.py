@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import kernel
+from minisgl.core import Phase
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import reference as ref
 
@@ -177,7 +178,7 @@ def test_bf16_model_keeps_a_float32_kv_pool_and_decodes_like_the_torch_backend()
         start += n
     batch = Batch(
         [Req(i, [0], SamplingParams()) for i in range(3)],
-        "decode",
+        Phase.DECODE,
         [n - 1 for n in lens],
         [1] * 3,
         [True] * 3,

@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from minisgl.core import Phase
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -271,7 +273,7 @@ def test_decode_matches_torch_backend_at_model_shapes(page_size, heads, batch_si
         seq_lens[1] = 1
     config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len)
     _compare_backends(
-        config, pool, table, _batch("decode", table, [n - 1 for n in seq_lens], [1] * batch_size)
+        config, pool, table, _batch(Phase.DECODE, table, [n - 1 for n in seq_lens], [1] * batch_size)
     )
 
 
@@ -282,7 +284,7 @@ def test_extend_matches_torch_backend_at_model_shapes(page_size, heads):
     prefix_lens, extend_lens = [0, 1000, 3000, 17, 0], [2048, 500, 1, 1300, 7]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=4096)
-    _compare_backends(config, pool, table, _batch("prefill", table, prefix_lens, extend_lens))
+    _compare_backends(config, pool, table, _batch(Phase.PREFILL, table, prefix_lens, extend_lens))
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------------
@@ -327,7 +329,7 @@ def _decode_batch(engine, seq_lens):
     bs = len(seq_lens)
     batch = Batch(
         [Req(i, [0], SamplingParams()) for i in range(bs)],
-        "decode",
+        Phase.DECODE,
         [n - 1 for n in seq_lens],
         [1] * bs,
         [True] * bs,

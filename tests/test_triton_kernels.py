@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from minisgl.core import Phase
+
 if not torch.cuda.is_available():  # must be set before Triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -217,7 +219,7 @@ def test_decode_of_one_request_in_several_splits_leaves_the_merge_to_linear():
     from minisgl.kernel import SplitAttention
 
     setup = PagedSetup(4, 4, 2, [70])
-    batch = setup.batch("decode", [69], [1])
+    batch = setup.batch(Phase.DECODE, [69], [1])
     backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
     backend.num_sms = 1000  # one split per key block
     backend.prepare_metadata(batch)
@@ -232,7 +234,7 @@ def test_decode_of_one_request_in_several_splits_leaves_the_merge_to_linear():
     want = backend.forward(q, k, v, 0, batch).view(1, -1)
     assert torch.equal(kernel.linear(parts, w), kernel.linear(want, w))
     two = PagedSetup(4, 4, 2, [70, 9])
-    pair = two.batch("decode", [69, 8], [1, 1])
+    pair = two.batch(Phase.DECODE, [69, 8], [1, 1])
     backend = TritonAttnBackend(two.config, two.pool, two.page_table)
     backend.num_sms = 1000
     backend.prepare_metadata(pair)
@@ -439,7 +441,7 @@ def test_extend_matches_reference_over_cached_prefixes(page_size, heads):
     prefix that is not tile-aligned (tiles 16x16 on a CPU, so every path of the kernel runs)."""
     prefix_lens, extend_lens = [0, 13, 37], [20, 1, 17]
     setup = PagedSetup(page_size, *heads, [p + e for p, e in zip(prefix_lens, extend_lens)])
-    _run_both(setup, setup.batch("prefill", prefix_lens, extend_lens))
+    _run_both(setup, setup.batch(Phase.PREFILL, prefix_lens, extend_lens))
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -447,7 +449,7 @@ def test_extend_matches_reference_over_cached_prefixes(page_size, heads):
 def test_decode_matches_reference(page_size, heads):
     seq_lens = [1, 23, 50]
     setup = PagedSetup(page_size, *heads, seq_lens)
-    _run_both(setup, setup.batch("decode", [n - 1 for n in seq_lens], [1] * len(seq_lens)))
+    _run_both(setup, setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * len(seq_lens)))
 
 
 @pytest.mark.parametrize("num_sms", [1, 1000])
@@ -459,7 +461,7 @@ def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sm
     monkeypatch.setattr(triton_backend, "_WAVES", 1)
     seq_lens = [2, 95, 17]
     setup = PagedSetup(4, 4, 2, seq_lens)
-    batch = setup.batch("decode", [n - 1 for n in seq_lens], [1] * 3)
+    batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * 3)
     backend, meta = _run_both(setup, batch, num_sms=num_sms)
     want = 1 if num_sms == 1 else -(-max(seq_lens) // backend.decode_block_n)
     assert meta.num_splits == want
@@ -477,7 +479,7 @@ def test_decode_with_rope_rotates_stores_and_attends_like_the_separate_kernels(n
 
     seq_lens = [1, 23, 50]
     setup = PagedSetup(4, 4, 2, seq_lens)
-    batch = setup.batch("decode", [n - 1 for n in seq_lens], [1] * 3)
+    batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * 3)
     B, Hq, Hk, D = 3, 4, 2, HEAD_DIM
     qkv = _randn(B, (Hq + 2 * Hk) * D, seed=11)
     q = qkv[:, : Hq * D].view(B, Hq, D)
@@ -513,7 +515,7 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     """Captured metadata fixes the split count for max_seq_len; shorter requests still attend exactly."""
     seq_lens = [3, 40]
     setup = PagedSetup(1, 4, 2, seq_lens)
-    batch = setup.batch("decode", [n - 1 for n in seq_lens], [1, 1])
+    batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1, 1])
     backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
     backend.init_capture_graph(4, [1, 2, 4])
     backend.prepare_for_capture(batch)
@@ -572,13 +574,13 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
         # a batch of more requests than a graph holds, or of more tokens than the largest, runs eagerly
         many = Batch(
             [None] * (runner.max_reqs + 1),
-            "prefill",
+            Phase.PREFILL,
             [0] * (runner.max_reqs + 1),
             [1] * (runner.max_reqs + 1),
             [True] * (runner.max_reqs + 1),
         )
-        long = Batch([None], "prefill", [0], [runner.max_tokens + 1], [True])
+        long = Batch([None], Phase.PREFILL, [0], [runner.max_tokens + 1], [True])
         assert not runner.can_run(many) and not runner.can_run(long)
-        assert runner.can_run(Batch([None], "prefill", [0], [runner.max_tokens], [True]))
+        assert runner.can_run(Batch([None], Phase.PREFILL, [0], [runner.max_tokens], [True]))
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "prefill graphs")

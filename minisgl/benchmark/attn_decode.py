@@ -15,7 +15,7 @@ import torch
 
 from minisgl.attention.base import AttnConfig
 from minisgl.attention.triton_backend import TritonAttnBackend
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.kernel import SplitAttention
 from minisgl.kvcache.pool import KVPool
 
@@ -36,7 +36,7 @@ def _setup(lens: list[int], device: torch.device):
         table[i, : len(s)] = s
     batch = Batch(
         [Req(i, [0], SamplingParams()) for i in range(bs)],
-        "decode",
+        Phase.DECODE,
         [n - 1 for n in lens],
         [1] * bs,
         [True] * bs,

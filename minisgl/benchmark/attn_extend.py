@@ -14,7 +14,7 @@ import torch
 from minisgl.attention.base import AttnConfig
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.kvcache.pool import KVPool
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_SEQ = 16, 8, 128, 4096
@@ -42,7 +42,7 @@ def _setup(reqs: int, new: int, cached: int, device: torch.device):
     table[:reqs, :n] = torch.arange(reqs * n, dtype=torch.int32, device=device).view(reqs, n)
     batch = Batch(
         [Req(i, [0], SamplingParams()) for i in range(reqs)],
-        "prefill",
+        Phase.PREFILL,
         [cached] * reqs,
         [new] * reqs,
         [True] * reqs,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import Phase, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils import options
@@ -197,7 +197,7 @@ def timeline(args: argparse.Namespace) -> None:
     print(f"W1 {w.output_tokens / total:.0f} tok/s, {total:.2f} s, {len(steps)} steps")
     buckets: dict = {}
     for phase, bs, ntok, dt, sched, launch_s in steps:
-        key = (phase, min(256, 1 << max(0, bs - 1).bit_length()) if phase == "decode" else 0)
+        key = (phase, min(256, 1 << max(0, bs - 1).bit_length()) if phase == Phase.DECODE else 0)
         b = buckets.setdefault(key, [0, 0.0, 0, 0, 0.0, 0.0])
         for i, v in enumerate((1, dt, ntok, bs, sched, launch_s)):
             b[i] += v

@@ -31,7 +31,7 @@ class UserReply:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)  # the tokens that arrived with this reply
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # a FinishReason (its plain value once deserialized)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None

@@ -46,7 +46,7 @@ class DetokenizeMsg:
     uid: int
     token_id: int = -1  # -1: no token (an abort or an error)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # a FinishReason (its plain value once deserialized)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from minisgl.core import InvalidRequest
+from minisgl.core import FinishReason, InvalidRequest
 from minisgl.env import ENV
 from minisgl.message import (
     AbortMsg,
@@ -140,11 +140,13 @@ class SchedulerIO:
             uid = getattr(msg, "uid", None)
             if isinstance(uid, int) and uid not in self.live:
                 error = f"the request failed in the scheduler: {type(e).__name__}: {e}"
-                self.outbox.append(DetokenizeMsg(uid, finished=True, finish_reason="error", error=error))
+                self.outbox.append(
+                    DetokenizeMsg(uid, finished=True, finish_reason=FinishReason.ERROR, error=error)
+                )
 
     def _add(self, msg: UserMsg) -> None:
         if self.early_aborts.pop(msg.uid, None) is not None:  # its client is already gone
-            self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason="abort"))
+            self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason=FinishReason.ABORT))
             return
         try:
             self._admit(msg)
@@ -152,7 +154,7 @@ class SchedulerIO:
             self.counters["rejected_requests"] += 1
             param = getattr(e, "param", None)  # an InvalidRequest names the field
             error = DetokenizeMsg(
-                msg.uid, finished=True, finish_reason="error", error=str(e), error_param=param
+                msg.uid, finished=True, finish_reason=FinishReason.ERROR, error=str(e), error_param=param
             )
             self.outbox.append(error)
             return
@@ -179,7 +181,7 @@ class SchedulerIO:
             self.scheduler.abort_request(uid)
             self.counters["aborted_requests"] += 1
             # the detokenizer frees its state for this uid on a finished message
-            self.outbox.append(DetokenizeMsg(uid, finished=True, finish_reason="abort"))
+            self.outbox.append(DetokenizeMsg(uid, finished=True, finish_reason=FinishReason.ABORT))
             return
         now = time.monotonic()  # finished already, or its request is still on the way
         self.early_aborts[uid] = now

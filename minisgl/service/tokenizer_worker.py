@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from minisgl.core import FinishReason
 from minisgl.message import (
     AbortMsg,
     BatchDetokenizeMsg,
@@ -89,7 +90,7 @@ class PromptTokenizer:
             else:
                 text, param = f"cannot tokenize: {e}", "prompt"
             error = DetokenizeMsg(
-                msg.uid, finished=True, finish_reason="error", error=text, error_param=param
+                msg.uid, finished=True, finish_reason=FinishReason.ERROR, error=text, error_param=param
             )
             self.send_detokenizer.put(BatchDetokenizeMsg([error]))
 
@@ -240,7 +241,7 @@ class TokenizerWorker:
         for uid in dict.fromkeys(uids):
             self.detokenize_mgr.drop(uid)
             self.send_backend.put(AbortMsg(uid))
-            replies.append(UserReply(uid, finished=True, finish_reason="error", error=text))
+            replies.append(UserReply(uid, finished=True, finish_reason=FinishReason.ERROR, error=text))
         return replies if self.send_frontend is not None else []
 
     def _detokenize_start(self, msg: DetokenizeStartMsg) -> list[UserReply]:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.core import FinishReason
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, TokenLogprob, UserReply
 from minisgl.utils import init_logger
 
@@ -128,7 +129,7 @@ class DetokenizeManager:
                         UserReply(
                             msg.uid,
                             finished=True,
-                            finish_reason="error",
+                            finish_reason=FinishReason.ERROR,
                             error=msg.error,
                             error_param=msg.error_param,
                         )
@@ -141,7 +142,7 @@ class DetokenizeManager:
             except Exception as e:
                 logger.exception(f"detokenizing request {msg.uid} failed")
                 error = f"the request failed in the detokenizer: {type(e).__name__}: {e}"
-                reply = UserReply(msg.uid, finished=True, finish_reason="error", error=error)
+                reply = UserReply(msg.uid, finished=True, finish_reason=FinishReason.ERROR, error=error)
                 msg = DetokenizeMsg(msg.uid, finished=msg.finished)  # unfinished: aborted (below)
             replies.append(reply)
             if reply.finished:
@@ -164,12 +165,12 @@ class DetokenizeManager:
         st.cached_tokens = msg.cached_tokens or st.cached_tokens
         reply = UserReply(uid, prompt_tokens=st.prompt_len, cached_tokens=st.cached_tokens)
         if msg.error is not None:
-            reply.finished, reply.finish_reason, reply.error = True, "error", msg.error
+            reply.finished, reply.finish_reason, reply.error = True, FinishReason.ERROR, msg.error
             reply.error_param = msg.error_param
             return reply
         if msg.token_id >= 0:
             reply.token_ids = [msg.token_id]
-            ends_on_stop_token = msg.finish_reason == "stop" and msg.token_id in st.stop_token_ids
+            ends_on_stop_token = msg.finish_reason == FinishReason.STOP and msg.token_id in st.stop_token_ids
             st.ids.append(msg.token_id)
             if ends_on_stop_token:  # like a stop string, a stop token is not part of the text
                 st.read_offset = len(st.ids)
@@ -187,7 +188,7 @@ class DetokenizeManager:
             if hit >= 0:
                 reply.text = st.text[st.sent : hit]
                 st.sent = len(st.text)
-                reply.finished, reply.finish_reason = True, "stop"
+                reply.finished, reply.finish_reason = True, FinishReason.STOP
                 return reply
             if not msg.finished:
                 end -= self._stop_prefix_len(st)
