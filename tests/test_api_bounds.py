@@ -8,17 +8,19 @@ The service runs a tiny random Llama with the default model's tokenizer (fast to
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
 import pytest
-from test_server import Service
+from helpers import Service, serving
 from test_server_lifecycle import _tiny_model_with_a_real_tokenizer
 
 CONTEXT = 256
 VOCAB = 49152
 ARGS = ["--dtype", "float32", "--num-pages", "4096", "--max-seq-len-override", str(CONTEXT)]
 ARGS += ["--max-running-req", "4", "--max-sequences-per-request", "16", "--max-waiting-requests", "8"]
+ARGS += ["--request-timeout", "5"]
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
 
@@ -26,13 +28,9 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2}
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     model = _tiny_model_with_a_real_tokenizer(str(tmp_path_factory.mktemp("tiny")))
-    s = Service(["--model", model, *ARGS], tmp_path_factory.mktemp("bounds") / "server.log")
-    try:
-        s.wait_ready()
+    with serving(["--model", model, *ARGS], tmp_path_factory.mktemp("bounds") / "server.log") as s:
         s.pids = sorted(p.pid for p in s.workers())  # type: ignore[attr-defined]
         yield s
-    finally:
-        s.stop()
 
 
 def post(service: Service, path: str, body: dict | bytes) -> httpx.Response:
@@ -310,3 +308,24 @@ def test_the_prompt_tokenizer_turns_every_failure_into_that_requests_error(monke
     assert not pt.send_backend.items  # nothing reached the scheduler
     pt.handle(TokenizeMsg(9, SamplingParams(), input_ids=[5, 99]))
     assert pt.send_backend.items[0].input_ids.tolist() == [5, 99]
+
+
+def test_a_half_sent_body_is_a_408_after_the_request_timeout_and_others_are_served_meanwhile(service):
+    port = int(service.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: 1000\r\n\r\n".encode() + b'{"prompt": "hi"')  # and no more
+        t0 = time.monotonic()
+        assert_still_serving(service)  # the half-sent request holds nothing up
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    waited = time.monotonic() - t0
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.split()[1] == b"408", answer
+    assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert 4 < waited < 30  # --request-timeout 5, counted from the headers
+    assert_still_serving(service)

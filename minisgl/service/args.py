@@ -44,6 +44,12 @@ class ServerArgs(SchedulerConfig):
         help="sequences that may wait beyond the --max-running-req that run; more get HTTP 429",
         min=0,
     )
+    request_timeout: float = option(
+        30.0,
+        help="seconds a client has to send a whole request body (HTTP 408 after); an idle keep-alive "
+        "connection is closed after 5 s",
+        min=0.1,
+    )
     shell: bool = option(False, help="chat in the terminal instead of serving HTTP")
     ipc_dir: str = ""  # the launcher's private directory for the ZMQ sockets
 

@@ -380,6 +380,7 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
             log_level="info",
             access_log=False,
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=5,  # an idle keep-alive connection is closed (uvicorn's default, stated)
         )
     )
 

@@ -8,6 +8,7 @@ the field, code `unsupported_parameter`; see UNSUPPORTED).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable
@@ -194,16 +195,34 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(msg, param, "invalid_type")
 
 
-async def read_json(request: Request, limit: int, max_items: int | None = None) -> dict[str, Any]:
-    """The body as a JSON object; a body over `limit` bytes is drained (so the client can read the
-    answer) and refused. Nesting, strings and the size of every list and object are bounded
-    (`check_json`), before anything costs more than the parse itself."""
+async def _read_body(request: Request, limit: int) -> tuple[bytearray, int]:
+    """The first `limit` bytes of the body and its whole size (the rest is drained, so the client can
+    read the answer)."""
     size = 0
     body = bytearray()
     async for chunk in request.stream():
         size += len(chunk)
         if size <= limit:
             body += chunk
+    return body, size
+
+
+async def read_json(
+    request: Request, limit: int, max_items: int | None = None, timeout: float | None = None
+) -> dict[str, Any]:
+    """The body as a JSON object; a body over `limit` bytes is refused, one not sent whole within
+    `timeout` seconds too (HTTP 408: a half-sent request must not hold a connection forever). Nesting,
+    strings and the size of every list and object are bounded (`check_json`), before anything costs more
+    than the parse itself."""
+    try:
+        body, size = await asyncio.wait_for(_read_body(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(
+            f"the request body did not arrive within {timeout:g} s (--request-timeout)",
+            None,
+            "request_timeout",
+            status=408,
+        ) from None
     if size > limit:
         raise APIError(
             f"the request body has {size} bytes; the limit is {limit} (--max-request-bytes)",

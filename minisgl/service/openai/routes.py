@@ -94,7 +94,9 @@ class OpenAIServer:
     ) -> Response:
         """Read the body and run `handler`; a client mistake is a 400, a client gone a 499."""
         try:
-            data = await read_json(request, self.args.max_request_bytes, self.limits.max_items)
+            data = await read_json(
+                request, self.args.max_request_bytes, self.limits.max_items, self.args.request_timeout
+            )
             return await handler(request, data)
         except APIError as e:
             return self.refuse(e)
