@@ -146,40 +146,25 @@ def _exit_now(code: Any) -> NoReturn:
 def _tokenizer_workers(a: ServerArgs) -> list[dict[str, Any]]:
     """The keyword arguments of each tokenizer-side worker (one doing both, or N tokenizers + 1 detokenizer)."""
     common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
+
+    def worker(role: str, name: str, **addrs: Any) -> dict[str, Any]:
+        return dict(common, role=role, worker_name=name, **addrs)
+
+    # the worker that detokenizes binds the detokenizer address and answers the API server
+    replies = {"recv_addr": a.detokenizer_addr, "recv_create": True, "frontend_addr": a.frontend_addr}
     if a.num_tokenizer == 0:
-        workers = [
-            dict(
-                common,
-                role="both",
-                worker_name="tokenizer",
-                recv_addr=a.detokenizer_addr,
-                recv_create=True,
-                frontend_addr=a.frontend_addr,
-            )
-        ]
-    else:
-        workers = [
-            dict(
-                common,
-                role="detokenizer",
-                worker_name="detokenizer",
-                recv_addr=a.detokenizer_addr,
-                recv_create=True,
-                frontend_addr=a.frontend_addr,
-            )
-        ]
-        workers += [
-            dict(
-                common,
-                role="tokenizer",
-                worker_name=f"tokenizer-{i}",
-                recv_addr=a.tokenizer_addr,
-                recv_create=False,
-                detokenizer_addr=a.detokenizer_addr,
-            )
-            for i in range(a.num_tokenizer)
-        ]
-    return workers
+        return [worker("both", "tokenizer", **replies)]
+    tokenizers = [
+        worker(
+            "tokenizer",
+            f"tokenizer-{i}",
+            recv_addr=a.tokenizer_addr,
+            recv_create=False,
+            detokenizer_addr=a.detokenizer_addr,
+        )
+        for i in range(a.num_tokenizer)
+    ]
+    return [worker("detokenizer", "detokenizer", **replies), *tokenizers]
 
 
 class ServiceProcesses:
