@@ -329,3 +329,26 @@ def test_a_half_sent_body_is_a_408_after_the_request_timeout_and_others_are_serv
     assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     assert 4 < waited < 30  # --request-timeout 5, counted from the headers
     assert_still_serving(service)
+
+
+@pytest.mark.parametrize("after_a_request", [False, True])
+def test_headers_never_finished_close_the_connection_after_the_request_timeout(service, after_a_request):
+    """A slow client that sends half its headers (on a new connection, or on a kept-alive one after a
+    response) is cut off after --request-timeout; other requests are served meanwhile."""
+    port = int(service.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        if after_a_request:
+            body = json.dumps(COMPLETION).encode()
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body)
+            answer = b""
+            while not answer.rstrip().endswith(b"}"):
+                answer += sock.recv(65536)
+            assert answer.split()[1] == b"200", answer
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        t0 = time.monotonic()
+        assert_still_serving(service)
+        while sock.recv(65536):  # until the server closes the connection
+            pass
+    assert time.monotonic() - t0 < 30  # --request-timeout 5 (a keep-alive timeout would not apply here)
+    assert_still_serving(service)

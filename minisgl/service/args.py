@@ -46,8 +46,8 @@ class ServerArgs(SchedulerConfig):
     )
     request_timeout: float = option(
         30.0,
-        help="seconds a client has to send a whole request body (HTTP 408 after); an idle keep-alive "
-        "connection is closed after 5 s",
+        help="seconds a client has to send a request's headers (else the connection is closed) and its "
+        "whole body (else HTTP 408); an idle keep-alive connection is closed after 5 s",
         min=0.1,
     )
     shell: bool = option(False, help="chat in the terminal instead of serving HTTP")

@@ -352,6 +352,7 @@ def check_model(model_dir: str) -> None:
 def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
     import uvicorn  # imported while the workers load
 
+    from .http_protocol import HeaderDeadlineProtocol
     from .openai import create_app
 
     ready = service.wait_ready()
@@ -366,6 +367,8 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
             access_log=False,
             timeout_graceful_shutdown=2,
             timeout_keep_alive=5,  # an idle keep-alive connection is closed (uvicorn's default, stated)
+            # ... and one that never finishes its headers too
+            http=HeaderDeadlineProtocol.with_timeout(args.request_timeout),
         )
     )
 
