@@ -500,3 +500,8 @@ def test_logit_bias_ids_beyond_the_vocabulary_are_rejected(llm):
     vocab = TINY_SPECS[ARCH].config_kwargs["vocab_size"]
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate([[1, 2, 3]], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_a_top_k_beyond_the_vocabulary_is_no_limit_even_beyond_64_bits():
+    info = make_info([SamplingParams(temperature=1.0, top_k=2**70), SamplingParams(temperature=1.0, top_k=2)])
+    assert info.top_k.tolist() == [VOCAB, 2]  # a hand count: the first row keeps every token

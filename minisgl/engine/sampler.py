@@ -178,7 +178,8 @@ class SamplingInfo:
             penalties=penalties,
         )
         if any(p.top_k > 0 for p in params):
-            ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+            # a top_k beyond the vocabulary is no limit (and must not overflow the int64 tensor)
+            ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
             info.top_k = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
         if any(p.top_p < 1.0 for p in params):
             info.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(

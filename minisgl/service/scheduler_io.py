@@ -164,9 +164,6 @@ class SchedulerIO:
         """Add the request to the scheduler; with `max_tokens_auto` a max_tokens too large for the context
         becomes "up to the context" instead of an error."""
         input_ids = msg.input_ids.tolist()
-        params = msg.sampling_params
-        if isinstance(params.top_k, int) and params.top_k > self.scheduler.vocab_size:
-            params.top_k = -1  # the same (no limit), and the sampler's int64 tensor of top_k never overflows
         try:
             self.scheduler.add_request(msg.uid, input_ids, msg.sampling_params)
         except InvalidRequest as e:
