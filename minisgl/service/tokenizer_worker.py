@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import FinishReason
+from minisgl.core import FinishReason, InvalidRequest
 from minisgl.message import (
     AbortMsg,
     BatchDetokenizeMsg,
@@ -62,14 +62,6 @@ def model_vocab_size(model_path: str, tokenizer: Any) -> int:
     return min(len(tokenizer), INT32_MAX)
 
 
-class RequestError(ValueError):
-    """A request this worker refuses; `param` names the field by its generic name."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class PromptTokenizer:
     """Tokenizes requests: the UserMsg goes to the scheduler, the DetokenizeStartMsg (or the request's error)
     to the detokenizer. Owns its two sockets, so only one thread may use it."""
@@ -85,7 +77,7 @@ class PromptTokenizer:
         try:
             self._tokenize(msg)
         except Exception as e:  # noqa: BLE001 - a bad prompt must not take the worker down, only fail itself
-            if isinstance(e, RequestError):
+            if isinstance(e, InvalidRequest):
                 text, param = str(e), e.param
             else:
                 text, param = f"cannot tokenize: {e}", "prompt"
@@ -105,12 +97,12 @@ class PromptTokenizer:
     def _check_ids(self, ids: list[int], param: str, what: str) -> None:
         # before the int32 tensor: an id beyond it would raise there, or wrap
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise RequestError(f"{what} must be in [0, {self.vocab_size})", param)
+            raise InvalidRequest(f"{what} must be in [0, {self.vocab_size})", param)
 
     def _tokenize(self, msg: TokenizeMsg) -> None:
         input_ids = self._ids(msg)
         if not input_ids:
-            raise RequestError("the prompt is empty after tokenization", "prompt")
+            raise InvalidRequest("the prompt is empty after tokenization", "prompt")
         self._check_ids(input_ids, "prompt", "prompt token ids")
         self._check_ids(msg.sampling_params.stop_token_ids, "stop_token_ids", "'stop_token_ids'")
         ids = torch.tensor(input_ids, dtype=torch.int32)
