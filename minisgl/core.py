@@ -233,6 +233,7 @@ class Context:
     page_size: int
     kv_pool: KVPool
     attn_backend: BaseAttnBackend
+    moe_backend: Any = None  # a minisgl.moe.MoEBackend for an MoE model (moe sits above core)
     batch: Batch | None = None
 
     @contextlib.contextmanager

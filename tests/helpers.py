@@ -135,6 +135,71 @@ TINY_SPECS: dict[str, TinySpec] = {
     ]
 }
 ARCH_NAMES = list(TINY_SPECS)
+
+# Mixture-of-experts models, apart from TINY_SPECS (the dense tests stay as they are): odd sizes, a dense
+# layer among the sparse ones (mlp_only_layers), top-k 1 of few experts for Mixtral-like routing spread.
+MOE_SPECS: dict[str, TinySpec] = {
+    spec.name: spec
+    for spec in [
+        TinySpec(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            {
+                "vocab_size": 677,
+                "hidden_size": 48,
+                "intermediate_size": 88,
+                "moe_intermediate_size": 20,
+                "num_experts": 6,
+                "num_experts_per_tok": 2,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [1],
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "tie_word_embeddings": False,
+            },
+            seed=6,
+        ),
+        TinySpec(
+            "qwen3_moe_unnormed",
+            "Qwen3MoeForCausalLM",
+            {
+                "vocab_size": 541,
+                "hidden_size": 40,
+                "moe_intermediate_size": 28,
+                "num_experts": 8,
+                "num_experts_per_tok": 3,
+                "norm_topk_prob": False,
+                "decoder_sparse_step": 1,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 1,
+                "head_dim": 12,
+                "tie_word_embeddings": True,
+            },
+            seed=7,
+        ),
+        TinySpec(
+            "mixtral",
+            "MixtralForCausalLM",
+            {
+                "vocab_size": 619,
+                "hidden_size": 56,
+                "intermediate_size": 36,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 14,
+                "tie_word_embeddings": False,
+            },
+            seed=8,
+        ),
+    ]
+}
 TINY_MAX_POSITIONS = 2048
 
 
@@ -146,6 +211,8 @@ def _config_class(architecture: str):
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
         "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "MixtralForCausalLM": transformers.MixtralConfig,
     }[architecture]
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class DistributedInfo:
     rank: int = 0
     size: int = 1
+    ep_size: int = 1  # expert parallelism: MoE experts split over this many of the `size` ranks
 
     def is_primary(self) -> bool:
         return self.rank == 0

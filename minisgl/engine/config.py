@@ -77,6 +77,14 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = option(1 << 30, help="KV pool size on a CPU when --num-pages is not given")
     show_progress: bool = option(True, help="log weight loading and graph capture progress")
     seed: int = option(0, help="torch's seed at start-up (dummy weights, unseeded sampling)")
+    moe_backend: str = option(
+        "auto",
+        help="MoE experts: fused (Triton), torch (the reference) or auto (fused on CUDA, torch elsewhere)",
+        choices=["auto", "fused", "torch"],
+    )
+    ep_size: int = option(
+        1, help="expert parallelism: MoE experts split over this many of the TP ranks", min=1, aliases=["ep"]
+    )
     # set by the launcher per process, not options
     tp_info: DistributedInfo = field(default_factory=DistributedInfo)
     dist_init_method: str = "tcp://127.0.0.1:29517"

@@ -5,7 +5,7 @@ It computes; it never decides. The scheduler hands it a prepared Batch and gets 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from minisgl.distributed import init_process_group, set_tp_info
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
+from minisgl.moe import create_moe_backend
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, is_cuda, pick_device, set_cpu_threads, synchronize
 from minisgl.utils.hf import load_hf_config, resolve_model_path
@@ -50,7 +51,7 @@ def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        tp = config.tp_info
+        tp = replace(config.tp_info, ep_size=config.ep_size)
         set_tp_info(tp)
         self.device = pick_device(config.device)
         if is_cuda(self.device):
@@ -66,6 +67,10 @@ class Engine:
         self.model_config = ModelConfig.from_hf(hf_config)
         self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
         self.max_seq_len = self._max_seq_len(hf_config)
+        self._check_expert_parallel(tp)
+        self.moe_backend = (
+            create_moe_backend(config.moe_backend, self.device) if self.model_config.moe else None
+        )
 
         torch.manual_seed(config.seed)
         self.model = self._build_model()
@@ -96,7 +101,12 @@ class Engine:
         self.page_table[self.dummy_row].fill_(self.dummy_slot)
         assert self.kv_pool.num_slots > self.dummy_slot, "the pool has one page beyond num_pages"
         self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
-        self.ctx = Context(page_size=config.page_size, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+        self.ctx = Context(
+            page_size=config.page_size,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            moe_backend=self.moe_backend,
+        )
         set_global_ctx(self.ctx)
         self.sampler = Sampler(self.device, self.token_pool)
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
@@ -115,12 +125,25 @@ class Engine:
         if (
             window
             and getattr(hf_config, "use_sliding_window", True)
-            and "Mistral" in self.model_config.architecture
+            and self.model_config.architecture.startswith(("Mistral", "Mixtral"))
         ):
             limit = min(limit, window)  # no sliding-window attention: stay within the window
         if self.config.max_seq_len_override:
             limit = min(limit, self.config.max_seq_len_override)
         return limit
+
+    def _check_expert_parallel(self, tp) -> None:
+        """--ep N before any weight is read: an MoE model, N dividing the TP size and the experts."""
+        moe = self.model_config.moe
+        if tp.ep_size == 1:
+            return
+        if moe is None:
+            raise ValueError(f"--ep {tp.ep_size}: {self.model_config.architecture} has no experts")
+        if tp.size % tp.ep_size or moe.num_experts % tp.ep_size:
+            raise ValueError(
+                f"--ep {tp.ep_size} must divide the TP size ({tp.size}) and the number of experts "
+                f"({moe.num_experts})"
+            )
 
     def _build_model(self) -> torch.nn.Module:
         """The model, its parameters allocated in the engine's dtype on its device (weights come next)."""
@@ -168,6 +191,9 @@ class Engine:
 
     def _init_graphs(self) -> None:
         cfg = self.config
+        if is_cuda(self.device) and self.moe_backend is not None and not self.moe_backend.capturable:
+            logger.info(f"CUDA graphs off: the {cfg.moe_backend} MoE backend synchronises with the host")
+            return
         deps = GraphDeps(
             device=self.device,
             attn_backend=self.attn_backend,

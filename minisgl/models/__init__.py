@@ -7,12 +7,14 @@ from torch import nn
 from minisgl.utils import Registry
 
 from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, MixtralForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
 MODELS: Registry[type] = Registry("model architecture")
 MODELS.register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")(LlamaForCausalLM)
-MODELS.register("Qwen3ForCausalLM")(Qwen3ForCausalLM)
+# Qwen3-MoE is Qwen3 whose config lists experts (LlamaDecoderLayer.make_mlp builds them)
+MODELS.register("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")(Qwen3ForCausalLM)
+MODELS.register("MixtralForCausalLM")(MixtralForCausalLM)
 
 
 def create_model(cfg: ModelConfig) -> nn.Module:

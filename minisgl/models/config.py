@@ -11,7 +11,34 @@ _BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+
+
+@dataclass
+class MoEConfig:
+    """The sparse layers of a mixture-of-experts model: E experts of intermediate size
+    `intermediate_size`, top_k of them per token, their weights renormalised to sum 1 when `renormalize`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: frozenset[int]
+
+    @classmethod
+    def from_hf(cls, hf: Any, num_layers: int) -> MoEConfig | None:
+        """Qwen3-MoE (`num_experts`, `decoder_sparse_step`, `mlp_only_layers`) and Mixtral
+        (`num_local_experts`, every layer sparse, always renormalised); None for a dense model."""
+        num = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+        if not num:
+            return None
+        if getattr(hf, "model_type", None) == "mixtral":
+            return cls(num, hf.num_experts_per_tok, hf.intermediate_size, True, frozenset(range(num_layers)))
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf, "mlp_only_layers", None) or [])
+        sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(num, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(hf.norm_topk_prob), sparse)
 
 
 @dataclass
@@ -31,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     eos_token_ids: list = field(default_factory=list)
+    moe: MoEConfig | None = None
     hf_config: Any = None
 
     @classmethod
@@ -63,5 +91,6 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)) or arch.startswith("Qwen2"),
             eos_token_ids=eos_ids,
+            moe=MoEConfig.from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
         )

@@ -1,8 +1,11 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral and Qwen2 (the same decoder; Qwen2 adds a QKV bias).
+"""The Llama family: Llama 2/3, SmolLM2, Mistral and Qwen2 (the same decoder; Qwen2 adds a QKV bias), and
+Mixtral (Mistral's decoder with a mixture of experts for the MLP).
 
-Qwen3 reuses these blocks with a per-head RMSNorm on q and k (models/qwen3.py)."""
+Qwen3 and Qwen3-MoE reuse these blocks with a per-head RMSNorm on q and k (models/qwen3.py)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -18,6 +21,7 @@ from minisgl.layers import (
     VocabParallelEmbedding,
 )
 from minisgl.layers.linear import ColumnParallelLinear
+from minisgl.moe import SparseMoeBlock
 
 from .config import ModelConfig
 
@@ -81,7 +85,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def make_mlp(self, cfg: ModelConfig, layer_id: int) -> nn.Module:
-        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        """A dense MLP, or in the sparse layers of an MoE model (Qwen3-MoE, Mixtral) its experts."""
+        moe = cfg.moe
+        if moe is None or layer_id not in moe.sparse_layers:
+            return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        return SparseMoeBlock(
+            cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         """A pre-norm block on the stream x + residual (x alone on the first layer): adds attention, then
@@ -128,3 +138,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mistral's decoder with experts; its checkpoints call the sparse block `block_sparse_moe`."""
+
+    checkpoint_renames: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}

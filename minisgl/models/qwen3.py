@@ -1,4 +1,4 @@
-"""Qwen3 (dense): the Llama decoder with an RMSNorm over each head of q and k before rotary."""
+"""Qwen3 and Qwen3-MoE: the Llama decoder with an RMSNorm over each head of q and k before rotary."""
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from minisgl.moe import EXPERT_WEIGHT, Experts
+
 # HF name fragment -> (merged parameter fragment, part index)
 _MERGED = {
     ".q_proj.": (".qkv_proj.", 0),
@@ -41,9 +43,20 @@ def load_weights(
     modules: dict[str, nn.Module] = dict(model.named_modules())
     expected = {n for n, _ in model.named_parameters(remove_duplicate=True)}
     loaded = set()
-    bar = tqdm(desc="Loading weights", unit="tensor", total=len(expected), disable=not show_progress)
+    experts = [m for m in modules.values() if isinstance(m, Experts)]
+    # a checkpoint holds each expert's three projections apart, where the model stacks them in two tensors
+    total = len(expected) + sum(3 * m.num_experts - 2 for m in experts)
+    bar = tqdm(desc="Loading weights", unit="tensor", total=total, disable=not show_progress)
+    renames = getattr(model, "checkpoint_renames", {})
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
+            continue
+        for frag, new in renames.items():
+            name = name.replace(frag, new)
+        if _load_expert(modules, name, tensor):  # one expert's projection into its layer's stacked tensor
+            if name not in loaded:
+                loaded.add(name)
+                bar.update(1)
             continue
         part = 0
         for frag, (merged, idx) in _MERGED.items():
@@ -62,12 +75,26 @@ def load_weights(
             bar.update(1)
     bar.close()
     missing = expected - loaded
+    for module_name, module in modules.items():
+        if isinstance(module, Experts):
+            missing.update(f"{module_name}.{m}" for m in module.missing())
+            missing -= {f"{module_name}.w13", f"{module_name}.w2"}
     if getattr(model.config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
         if "model.embed_tokens.weight" in missing and "lm_head.weight" in loaded:
             missing.discard("model.embed_tokens.weight")
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+
+
+def _load_expert(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+    """`...experts.<e>.<proj>.weight`: copied by the MoE layer (its rank's experts and shard only)."""
+    m = EXPERT_WEIGHT.match(name)
+    module = modules.get(m["module"]) if m else None
+    if not isinstance(module, Experts):
+        return False
+    module.load_expert(int(m["expert"]), m["proj"], tensor)
+    return True
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
@@ -77,8 +104,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        elif p.dim() == 2:
-            bound = (3.0 / p.shape[1]) ** 0.5
+        elif p.dim() >= 2:  # a matrix [out, in], or stacked experts [E, out, in]
+            bound = (3.0 / p.shape[-1]) ** 0.5
             p.data.uniform_(-bound, bound)
         else:
             p.data.uniform_(-0.02, 0.02)

@@ -1,0 +1,120 @@
+"""Mixture-of-experts models equal Hugging Face's greedy output token for token in float32.
+
+Tiny random Qwen3-MoE (a dense layer among the sparse ones, renormalised and raw top-k weights, one KV
+head) and Mixtral models, through the torch reference backend and the Triton fused backend (under
+TRITON_INTERPRET=1 on a CPU): four prompts of different lengths batched, each prompt alone, and through
+the emulated decode and prefill graphs. In a decode step of a few tokens most experts receive no token."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before Triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import (
+    MOE_SPECS,
+    HFReference,
+    assert_all_kv_free,
+    assert_tokens_equal_hf,
+    build_tiny_model,
+    make_llm,
+    random_prompt,
+    tiny_llm_kwargs,
+)
+
+from minisgl.core import SamplingParams
+
+PROMPT_LENS = [5, 19, 33, 2]
+MAX_TOKENS = [12, 9, 14, 10]
+HAVE_TRITON = True
+try:
+    import triton  # noqa: F401
+except ImportError:
+    HAVE_TRITON = False
+BACKENDS = ["torch", "fused"] if HAVE_TRITON else ["torch"]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe_models")
+    return {name: build_tiny_model(spec, str(root / name)) for name, spec in MOE_SPECS.items()}
+
+
+_REFS: dict[str, HFReference] = {}
+
+
+def reference(moe_dirs, name: str) -> HFReference:
+    if name not in _REFS:
+        _REFS[name] = HFReference(moe_dirs[name])
+    return _REFS[name]
+
+
+def prompts_for(name: str) -> list[list[int]]:
+    vocab = MOE_SPECS[name].config_kwargs["vocab_size"]
+    return [random_prompt(n, vocab, seed=200 + i) for i, n in enumerate(PROMPT_LENS)]
+
+
+def params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(MOE_SPECS))
+def test_moe_model_equals_hf_batched_and_alone(moe_dirs, name, backend):
+    prompts = prompts_for(name)
+    with make_llm(moe_dirs[name], **tiny_llm_kwargs(moe_backend=backend)) as llm:
+        assert type(llm.scheduler.engine.moe_backend).__name__.lower().startswith(backend)
+        batched = llm.generate(prompts, params())
+        alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts[:2], params()[:2])]
+        assert_all_kv_free(llm)
+    ref = reference(moe_dirs, name)
+    for prompt, out, n in zip(prompts, batched, MAX_TOKENS):
+        assert len(out["token_ids"]) == n
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, f"{name} {backend} batched")
+    for one, out in zip(alone, batched):
+        assert one["token_ids"] == out["token_ids"]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_moe_through_decode_and_prefill_graphs_equals_hf(moe_dirs):
+    """The fused backend inside the (emulated on a CPU) decode graphs of 1, 2 and 4 requests and the
+    prefill graphs, with Triton attention and chunked prefill: Hugging Face's greedy tokens."""
+    name = "qwen3_moe"
+    prompts = prompts_for(name)
+    kwargs = tiny_llm_kwargs(
+        moe_backend="fused",
+        attn="triton",
+        page_size=4,
+        cuda_graph_max_bs=4,
+        cuda_graph_max_prefill=32,
+        max_prefill_length=16,
+    )
+    with make_llm(moe_dirs[name], **kwargs) as llm:
+        engine = llm.scheduler.engine
+        assert engine.graph_runner is not None and engine.prefill_graphs is not None
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
+        assert engine.graph_runner.replays > 0 and engine.prefill_graphs.replays > 0
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], reference(moe_dirs, name), prompt, "MoE graphs")
+
+
+def test_expert_parallel_needs_an_moe_model_and_a_divisor(moe_dirs, tiny_model_dirs):
+    with (
+        pytest.raises(ValueError, match="has no experts"),
+        make_llm(tiny_model_dirs["llama"], **tiny_llm_kwargs(ep_size=2)),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="must divide the TP size"),
+        make_llm(moe_dirs["mixtral"], **tiny_llm_kwargs(ep_size=2)),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="moe_backend"),
+        make_llm(moe_dirs["mixtral"], **tiny_llm_kwargs(moe_backend="nope")),
+    ):
+        pass
