@@ -100,3 +100,40 @@ def test_fast_path_equals_reference_one_request_at_a_time_qwen3_06b_bf16():
     ref = _run(model, prompts, 32, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     fast = _run(model, prompts, 32, attn="triton", cuda_graph_max_bs=1, overlap=True, **common)
     _assert_same_greedy(fast, ref, tie=0.5)
+
+
+def _shape_config(name: str, out_dir, **overrides) -> str:
+    """A shipped shape config with some fields changed (fewer layers), written to out_dir."""
+    import json
+
+    with open(os.path.join(CONFIGS, name, "config.json")) as f:
+        config = json.load(f)
+    config.update(overrides)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(out_dir)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_fast_path_equals_reference_moe_bf16(tmp_path, name):
+    """Qwen3-30B-A3B and Mixtral-8x7B shapes with 4 layers: the fused MoE kernels inside CUDA graphs (with
+    Triton attention and overlap) give the torch reference path's greedy tokens (bf16 near-ties allowed
+    as above)."""
+    model = _shape_config(name, tmp_path / name, num_hidden_layers=4)
+    vocab = 151936 if name.startswith("qwen3") else 32000
+    prompts = [random_prompt(n, vocab, seed=n) for n in (7, 20, 64, 100, 3, 300, 33, 512)]
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "num_page_override": 16384,
+        "max_seq_len_override": 2048,
+    }
+    ref = _run(
+        model, prompts, 32, attn="torch", moe_backend="torch", cuda_graph_max_bs=0, overlap=False, **common
+    )
+    fast = _run(
+        model, prompts, 32, attn="triton", moe_backend="fused", cuda_graph_max_bs=16, overlap=True, **common
+    )
+    _assert_same_greedy(fast, ref, tie=0.5)
