@@ -264,10 +264,11 @@ def default_config(experts: int, hidden: int, inter: int, top_k: int, tokens: in
         block_m, gate_up, down = 32, (64, 64, 4, 4, 4), (64, 64, 4, 4, 4)
     else:
         block_m, gate_up, down = 64, (128, 64, 8, 8, 3), (128, 64, 8, 8, 3)
-    # split the down GEMM's K while its programs would not fill about two waves of a large GPU
-    programs = min(pairs, experts) * triton.cdiv(max(1, rows), block_m) * triton.cdiv(hidden, down[0])
+    # split the down GEMM's K while its programs would not give each SM of a large GPU (132 on an H200)
+    # about four to balance, and each slice keeps at least one K block
+    programs = min(pairs, experts) * triton.cdiv(max(1, round(rows)), block_m) * triton.cdiv(hidden, down[0])
     split = 1
-    while split < 4 and programs * split < 256 and inter // (2 * split) >= down[1]:
+    while split < 8 and programs * split < 512 and inter // (2 * split) >= down[1]:
         split *= 2
     return {"BLOCK_M": block_m, "gate_up": dict(zip(GEMM_KEYS, gate_up)),
             "down": dict(zip(GEMM_KEYS, down), SPLIT_K=split)}
