@@ -87,3 +87,38 @@ def add_rms_norm_linear(
     """A pre-norm projection: h = x + residual (x when residual is None); returns (rms_norm(h) W^T + b, h)."""
     h = x if residual is None else residual + x
     return F.linear(rms_norm(h, norm_weight, eps), weight, bias), h
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing as Hugging Face's: softmax over the experts in float32, the top_k of it,
+    divided by their sum when renormalize. Returns (weights [T, k] float32, expert ids [T, k] int32)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_start: int = 0,
+) -> torch.Tensor:
+    """The experts' gated MLPs of x [T, H], weighted by the routing: w13 [El, 2I, H] (gate | up rows), w2
+    [El, H, I] hold global experts expert_start .. expert_start + El - 1; other ids contribute nothing
+    (another rank holds them). Expert by expert as Hugging Face's blocks: the act rounds to x's dtype, the
+    down projection, the routing weight and the sum over the k choices stay in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - expert_start
+    hit = local[(local >= 0) & (local < w13.shape[0])].unique()  # a host sync: the reference only
+    for e in hit.tolist():
+        tokens, slots = torch.where(local == e)
+        act = silu_and_mul(F.linear(x[tokens], w13[e]))
+        y = F.linear(act.float(), w2[e].float()) * topk_weights[tokens, slots, None].float()
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)

@@ -11,6 +11,7 @@ paged attention kernels of the Triton attention backend.
 | gemm | 2..16-row projections: plain, gated, pre-norm |
 | argmax | the greedy token over the vocabulary |
 | attention | split-KV paged decode and its merge, prefill/extend |
+| moe | mixture-of-experts routing and the fused experts (align, grouped GEMMs, sum); tiles in moe_configs.json |
 
 kernel/__init__.py calls the ops below for CUDA tensors; importing this package fails where Triton is
 missing, and the callers then take the torch reference."""
@@ -20,6 +21,7 @@ from .argmax import argmax
 from .gemm import gemm, gemm_add_rms_norm, gemm_fits
 from .gemv import gemv, gemv_add_rms_norm, gemv_fits, gemv_merge_fits, gemv_merged
 from .launch import launch_opts, pdl
+from .moe import fused_moe, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import apply_rotary, qk_norm_rotary, store_kv
 
@@ -27,6 +29,7 @@ __all__ = [
     "apply_rotary",
     "argmax",
     "fused_add_rms_norm",
+    "fused_moe",
     "gemm",
     "gemm_add_rms_norm",
     "gemm_fits",
@@ -36,6 +39,7 @@ __all__ = [
     "gemv_merge_fits",
     "gemv_merged",
     "launch_opts",
+    "moe_route",
     "pdl",
     "qk_norm_rotary",
     "rms_norm",
