@@ -77,11 +77,12 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 # ---- 1. align: (token, choice) pairs sorted by expert, padded to blocks -------------------------------------
 @triton.jit
 def _onehot(ids_ptr, c0, M, expert_start, EL, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """[CHUNK, BLOCK_E] int32: pair c0 + i is routed to local expert e (ids outside the local range: none)."""
+    """[BLOCK_E, CHUNK] int32: pair c0 + i is routed to local expert e (ids outside the local range: none).
+    Experts along the first axis, so that the scans below run along the last."""
     offs = c0 + tl.arange(0, CHUNK)
     local = tl.load(ids_ptr + offs, mask=offs < M, other=-1) - expert_start
     local = tl.where((local >= 0) & (local < EL), local, -1)
-    return (local[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    return (tl.arange(0, BLOCK_E)[:, None] == local[None, :]).to(tl.int32)
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, M, expert_start, E
     gdc_begin(PDL)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c0 in range(0, M, CHUNK):
-        counts += tl.sum(_onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E), axis=0)
+        counts += tl.sum(_onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E), axis=1)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -109,11 +110,11 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, M, expert_start, E
     cursor = starts
     for c0 in range(0, M, CHUNK):
         onehot = _onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E)
-        rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the chunk with the same expert
-        pos = tl.sum(onehot * (cursor[None, :] + rank), axis=1)
+        rank = tl.cumsum(onehot, axis=1) - onehot  # earlier pairs of the chunk with the same expert
+        pos = tl.sum(onehot * (cursor[:, None] + rank), axis=0)
         pairs = c0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + pos, pairs, mask=tl.sum(onehot, axis=1) > 0)
-        cursor += tl.sum(onehot, axis=0)
+        tl.store(sorted_ptr + pos, pairs, mask=tl.sum(onehot, axis=0) > 0)
+        cursor += tl.sum(onehot, axis=1)
 
 
 # ---- 2./3. the grouped GEMMs --------------------------------------------------------------------------------
@@ -312,9 +313,10 @@ def align(topk_ids: torch.Tensor, experts: int, block_m: int, expert_start: int 
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(experts)
-    chunk = max(16, min(256, 8192 // block_e))
+    chunk = max(16, min(256, 8192 // block_e, triton.next_power_of_2(pairs)))  # 8192 (expert, pair) cells
     _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, total, pairs, expert_start, experts, BLOCK_M=block_m,
-                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl(topk_ids), num_warps=4, **launch_opts(topk_ids))
+                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl(topk_ids), num_warps=4 if pairs <= 1024 else 8,
+                        **launch_opts(topk_ids))
     return sorted_ids, expert_ids, total
 
 
