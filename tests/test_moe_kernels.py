@@ -173,7 +173,8 @@ def test_align_sorts_pairs_by_held_expert_in_padded_blocks(block_m):
     whole number of blocks, experts in order; pairs of experts held elsewhere are left out."""
     tokens, top_k, start, local = 19, 2, 2, 5
     _, ids = ref.moe_route(_uneven_logits(tokens, 9), top_k, True)
-    sorted_ids, expert_ids, total = moe.align(ids, local, block_m, start)
+    aligned = moe.align(ids, local, block_m, start)
+    sorted_ids, expert_ids, total = aligned.sorted_ids, aligned.expert_ids, aligned.total
     flat = ids.flatten().long().cpu() - start
     want_sorted, want_experts = [], []
     for e in range(local):
@@ -187,9 +188,11 @@ def test_align_sorts_pairs_by_held_expert_in_padded_blocks(block_m):
 
 
 # (tokens, experts in the router, experts held, first held, k): some held experts get no token, expert 1
-# most of them (when held); (…, 3, 2, …) and (…, 6, 3, …): expert parallelism, other ids are skipped
+# most of them (when held); fewer held than routed: expert parallelism, other ids are skipped; one token:
+# no align (block j is choice j)
 CASES = [
     (1, 10, 10, 0, 8),
+    (1, 10, 4, 3, 8),
     (3, 6, 6, 0, 1),
     (17, 10, 10, 0, 2),
     (17, 6, 3, 2, 2),
