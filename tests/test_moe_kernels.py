@@ -270,6 +270,27 @@ def test_default_tiles_split_the_down_gemm_at_few_tokens_only():
     assert moe.moe_config("no such device", 128, 2048, 768, 8, 1) == decode
 
 
+def test_tuned_table_entry_is_taken_at_the_smallest_tuned_count_at_or_above_the_tokens(tmp_path, monkeypatch):
+    """moe_configs.json: device -> shape key -> tokens -> config; past the largest tuned count, the largest."""
+    import json
+
+    small, large = SMALL_TILES, moe.default_config(128, 2048, 768, 8, 4096)
+    key = moe.shape_key(128, 2048, 768, 8)
+    path = tmp_path / "moe_configs.json"
+    path.write_text(json.dumps({"Some GPU": {key: {"8": small, "64": large}}}))
+    monkeypatch.setattr(moe, "CONFIG_FILE", str(path))
+    moe._table.cache_clear()
+    moe.moe_config.cache_clear()
+    try:
+        assert moe.moe_config("Some GPU", 128, 2048, 768, 8, 3) == small
+        assert moe.moe_config("Some GPU", 128, 2048, 768, 8, 9) == large
+        assert moe.moe_config("Some GPU", 128, 2048, 768, 8, 1000) == large
+        assert moe.moe_config("Other GPU", 128, 2048, 768, 8, 3) == moe.default_config(128, 2048, 768, 8, 3)
+    finally:
+        moe._table.cache_clear()
+        moe.moe_config.cache_clear()
+
+
 # ---- GPU: real shapes, CUDA graphs ----------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # (name, experts, k, H, I, renormalize)

@@ -1,8 +1,9 @@
 """Fused mixture-of-experts: the routing (softmax, top-k, renormalisation per row) and the experts' gated MLPs,
 as reference.moe_route and reference.fused_moe.
 
-fused_moe runs four kernels, none of which synchronises with the host, with grids that depend on the number
-of tokens only (never on the routing), so decode and prefill CUDA graphs capture them:
+fused_moe runs four kernels (three for one token, whose k choices are distinct experts: nothing to align),
+none of which synchronises with the host, with grids that depend on the number of tokens only (never on the
+routing), so decode and prefill CUDA graphs capture them:
 1. align: the T * k (token, choice) pairs sorted by local expert, each expert's list padded with a sentinel
    to a whole number of BLOCK_M rows; it writes each block's expert and the padded row count;
 2. gate/up: a grouped GEMM over those blocks (block b multiplies by its expert's w13) with SiLU-and-mul in
