@@ -173,7 +173,8 @@ def test_align_sorts_pairs_by_held_expert_in_padded_blocks(block_m):
     whole number of blocks, experts in order; pairs of experts held elsewhere are left out."""
     tokens, top_k, start, local = 19, 2, 2, 5
     _, ids = ref.moe_route(_uneven_logits(tokens, 9), top_k, True)
-    sorted_ids, expert_ids, total = moe.align(ids, local, block_m, start)
+    aligned = moe.align(ids, local, block_m, start)
+    sorted_ids, expert_ids, total = aligned.sorted_ids, aligned.expert_ids, aligned.total
     flat = ids.flatten().long().cpu() - start
     want_sorted, want_experts = [], []
     for e in range(local):
@@ -187,9 +188,11 @@ def test_align_sorts_pairs_by_held_expert_in_padded_blocks(block_m):
 
 
 # (tokens, experts in the router, experts held, first held, k): some held experts get no token, expert 1
-# most of them (when held); (…, 3, 2, …) and (…, 6, 3, …): expert parallelism, other ids are skipped
+# most of them (when held); fewer held than routed: expert parallelism, other ids are skipped; one token:
+# no align (block j is choice j)
 CASES = [
     (1, 10, 10, 0, 8),
+    (1, 10, 4, 3, 8),
     (3, 6, 6, 0, 1),
     (17, 10, 10, 0, 2),
     (17, 6, 3, 2, 2),
@@ -240,6 +243,24 @@ def test_fused_moe_with_no_held_expert_is_zero():
     assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids, expert_start=100), torch.zeros_like(x))
 
 
+def test_kernel_dispatch_takes_triton_on_cuda_tensors_and_the_reference_elsewhere():
+    """kernel.moe_route / kernel.fused_moe: the Triton kernels for CUDA tensors, the torch reference else."""
+    from minisgl import kernel
+
+    x = _randn(6, H)
+    w13, w2 = _experts(6)
+    logits = _uneven_logits(6, 6)
+    weights, ids = kernel.moe_route(logits, 2, True)
+    want_w, want_ids = ref.moe_route(logits, 2, True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    got = kernel.fused_moe(x, w13, w2, weights, ids)
+    want = ref.fused_moe(x, w13, w2, weights, ids)
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, want)
+    assert _rel(got, want) < 1e-5
+
+
 def test_default_tiles_split_the_down_gemm_at_few_tokens_only():
     """At decode sizes the heuristic takes 16-row blocks and splits K; at prefill sizes, larger blocks."""
     decode = moe.default_config(128, 2048, 768, 8, 1)
@@ -247,6 +268,27 @@ def test_default_tiles_split_the_down_gemm_at_few_tokens_only():
     assert decode["BLOCK_M"] == 16 and decode["down"]["SPLIT_K"] > 1
     assert prefill["BLOCK_M"] > 16 and prefill["down"]["SPLIT_K"] == 1
     assert moe.moe_config("no such device", 128, 2048, 768, 8, 1) == decode
+
+
+def test_tuned_table_entry_is_taken_at_the_smallest_tuned_count_at_or_above_the_tokens(tmp_path, monkeypatch):
+    """moe_configs.json: device -> shape key -> tokens -> config; past the largest tuned count, the largest."""
+    import json
+
+    small, large = SMALL_TILES, moe.default_config(128, 2048, 768, 8, 4096)
+    key = moe.shape_key(128, 2048, 768, 8)
+    path = tmp_path / "moe_configs.json"
+    path.write_text(json.dumps({"Some GPU": {key: {"8": small, "64": large}}}))
+    monkeypatch.setattr(moe, "CONFIG_FILE", str(path))
+    moe._table.cache_clear()
+    moe.moe_config.cache_clear()
+    try:
+        assert moe.moe_config("Some GPU", 128, 2048, 768, 8, 3) == small
+        assert moe.moe_config("Some GPU", 128, 2048, 768, 8, 9) == large
+        assert moe.moe_config("Some GPU", 128, 2048, 768, 8, 1000) == large
+        assert moe.moe_config("Other GPU", 128, 2048, 768, 8, 3) == moe.default_config(128, 2048, 768, 8, 3)
+    finally:
+        moe._table.cache_clear()
+        moe.moe_config.cache_clear()
 
 
 # ---- GPU: real shapes, CUDA graphs ----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Fused mixture-of-experts: the routing (softmax, top-k, renormalisation per row) and the experts' gated MLPs,
 as reference.moe_route and reference.fused_moe.
 
-fused_moe runs four kernels, none of which synchronises with the host, with grids that depend on the number
-of tokens only (never on the routing), so decode and prefill CUDA graphs capture them:
+fused_moe runs four kernels (three for one token, whose k choices are distinct experts: nothing to align),
+none of which synchronises with the host, with grids that depend on the number of tokens only (never on the
+routing), so decode and prefill CUDA graphs capture them:
 1. align: the T * k (token, choice) pairs sorted by local expert, each expert's list padded with a sentinel
    to a whole number of BLOCK_M rows; it writes each block's expert and the padded row count;
 2. gate/up: a grouped GEMM over those blocks (block b multiplies by its expert's w13) with SiLU-and-mul in
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -77,11 +79,12 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 # ---- 1. align: (token, choice) pairs sorted by expert, padded to blocks -------------------------------------
 @triton.jit
 def _onehot(ids_ptr, c0, M, expert_start, EL, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """[CHUNK, BLOCK_E] int32: pair c0 + i is routed to local expert e (ids outside the local range: none)."""
+    """[BLOCK_E, CHUNK] int32: pair c0 + i is routed to local expert e (ids outside the local range: none).
+    Experts along the first axis, so that the scans below run along the last."""
     offs = c0 + tl.arange(0, CHUNK)
     local = tl.load(ids_ptr + offs, mask=offs < M, other=-1) - expert_start
     local = tl.where((local >= 0) & (local < EL), local, -1)
-    return (local[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    return (tl.arange(0, BLOCK_E)[:, None] == local[None, :]).to(tl.int32)
 
 
 @triton.jit
@@ -94,7 +97,7 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, M, expert_start, E
     gdc_begin(PDL)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c0 in range(0, M, CHUNK):
-        counts += tl.sum(_onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E), axis=0)
+        counts += tl.sum(_onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E), axis=1)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -109,11 +112,11 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, M, expert_start, E
     cursor = starts
     for c0 in range(0, M, CHUNK):
         onehot = _onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E)
-        rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the chunk with the same expert
-        pos = tl.sum(onehot * (cursor[None, :] + rank), axis=1)
+        rank = tl.cumsum(onehot, axis=1) - onehot  # earlier pairs of the chunk with the same expert
+        pos = tl.sum(onehot * (cursor[:, None] + rank), axis=0)
         pairs = c0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + pos, pairs, mask=tl.sum(onehot, axis=1) > 0)
-        cursor += tl.sum(onehot, axis=0)
+        tl.store(sorted_ptr + pos, pairs, mask=tl.sum(onehot, axis=0) > 0)
+        cursor += tl.sum(onehot, axis=1)
 
 
 # ---- 2./3. the grouped GEMMs --------------------------------------------------------------------------------
@@ -139,8 +142,25 @@ def _dot(a, b, acc, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, total_ptr, M, N, K, NUM_M, stride_xm,
-                    stride_we, stride_wn, stride_am, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _block_rows(sorted_ptr, expert_ptr, total_ptr, ids_ptr, pid_m, M, expert_start, EL, BLOCK_M: tl.constexpr):
+    """(live, rows, pairs, local expert) of m block pid_m: its rows of the sorted, padded list and their pairs
+    (M: padding). Without sorted_ptr (one token, whose k choices are distinct experts: no align) block j
+    holds choice j alone. Not live: past the padded row count, or a choice another rank holds."""
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if sorted_ptr is None:
+        expert = tl.load(ids_ptr + pid_m) - expert_start
+        live = (expert >= 0) & (expert < EL)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, M)
+    else:
+        live = pid_m * BLOCK_M < tl.load(total_ptr)
+        pair = tl.load(sorted_ptr + offs_r)
+        expert = tl.load(expert_ptr + pid_m)
+    return live, offs_r, pair, expert.to(tl.int64)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, total_ptr, ids_ptr, expert_start, EL, M, N,
+                    K, NUM_M, stride_xm, stride_we, stride_wn, stride_am, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr,
                     PDL: tl.constexpr):
     """act[r, n block] = silu(x[t] g_e^T) * (x[t] u_e^T) for the BLOCK_M sorted rows r of an m block (t the
@@ -149,13 +169,12 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, total_ptr, M,
     rows read zeros."""
     pid_m, pid_n = _tile(NUM_M, N, BLOCK_N, GROUP_M)
     gdc_begin(PDL)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    live, offs_r, pair, expert = _block_rows(sorted_ptr, expert_ptr, total_ptr, ids_ptr, pid_m, M, expert_start, EL,
+                                             BLOCK_M)
+    if live == 0:  # past the padded rows, or (one token) held by another rank
         return
-    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_r)
     valid = pair < M
     token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -177,20 +196,19 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, total_ptr, M,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, part_ptr, weight_ptr, sorted_ptr, expert_ptr, total_ptr, M, N, K, NUM_M,
-                 stride_am, stride_we, stride_wn, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _down_kernel(act_ptr, w_ptr, part_ptr, weight_ptr, sorted_ptr, expert_ptr, total_ptr, ids_ptr, expert_start, EL,
+                 M, N, K, NUM_M, stride_am, stride_we, stride_wn, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
     """part[s, pair, n block] = routing weight of the pair * act[r, K slice s] w2[e, n block, K slice s]^T in
     float32, for the BLOCK_M sorted rows r of an m block (padding rows are not stored)."""
     pid_m, pid_n = _tile(NUM_M, N, BLOCK_N, GROUP_M)
     pid_s = tl.program_id(1)
     gdc_begin(PDL)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    live, offs_r, pair, expert = _block_rows(sorted_ptr, expert_ptr, total_ptr, ids_ptr, pid_m, M, expert_start, EL,
+                                             BLOCK_M)
+    if live == 0:  # past the padded rows, or (one token) held by another rank
         return
-    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_r)
     valid = pair < M
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_lo = pid_s * K_SPLIT
@@ -302,9 +320,23 @@ def max_blocks(pairs: int, experts: int, block_m: int) -> int:
     return min(pairs, (pairs + min(experts, pairs) * (block_m - 1)) // block_m)
 
 
-def align(topk_ids: torch.Tensor, experts: int, block_m: int, expert_start: int = 0):
-    """(sorted pairs [blocks * block_m] int32, each block's local expert [blocks] int32, padded row count [1]
-    int32) of the routing topk_ids [T, k]: see _align_kernel. Rows past the count are left unwritten."""
+class Aligned(NamedTuple):
+    """The routing as the GEMMs read it: see _align_kernel; sorted_ids None: one token, block j = choice j."""
+
+    sorted_ids: torch.Tensor | None  # [blocks * block_m] int32 pairs (t * k + j) by expert, padded
+    expert_ids: torch.Tensor | None  # [blocks] int32 each block's local expert
+    total: torch.Tensor | None  # [1] int32 the padded row count (rows past it are left unwritten)
+    topk_ids: torch.Tensor  # [T, k] int32
+    expert_start: int
+    experts: int  # held here
+    blocks: int  # the grid's m blocks (the most the routing can fill)
+
+
+def align(topk_ids: torch.Tensor, experts: int, block_m: int, expert_start: int = 0) -> Aligned:
+    """Step 1: the (token, choice) pairs of topk_ids [T, k] sorted by held expert in padded blocks (one
+    launch, see _align_kernel); for one token nothing to sort (its choices are distinct experts)."""
+    if topk_ids.shape[0] == 1:
+        return Aligned(None, None, None, topk_ids, expert_start, experts, topk_ids.shape[1])
     pairs = topk_ids.numel()
     blocks = max_blocks(pairs, experts, block_m)
     dev = topk_ids.device
@@ -312,40 +344,42 @@ def align(topk_ids: torch.Tensor, experts: int, block_m: int, expert_start: int 
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(experts)
-    chunk = max(16, min(256, 8192 // block_e))
+    chunk = max(16, min(256, 8192 // block_e, triton.next_power_of_2(pairs)))  # 8192 (expert, pair) cells
     _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, total, pairs, expert_start, experts, BLOCK_M=block_m,
-                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl(topk_ids), num_warps=4, **launch_opts(topk_ids))
-    return sorted_ids, expert_ids, total
+                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl(topk_ids), num_warps=4 if pairs <= 1024 else 8,
+                        **launch_opts(topk_ids))
+    return Aligned(sorted_ids, expert_ids, total, topk_ids, expert_start, experts, blocks)
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, aligned, block_m: int, tiles: dict) -> torch.Tensor:
+def gate_up(x: torch.Tensor, w13: torch.Tensor, top_k: int, al: Aligned, block_m: int,
+            tiles: dict) -> torch.Tensor:
     """Step 2: act [blocks * block_m, I] in x's dtype (see _gate_up_kernel)."""
-    sorted_ids, expert_ids, total = aligned
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
-    num_m = expert_ids.shape[0]
+    num_m = al.blocks
     act = torch.empty((num_m * block_m, inter), dtype=x.dtype, device=x.device)
     grid = (num_m * triton.cdiv(inter, tiles["BLOCK_N"]),)
-    _gate_up_kernel[grid](x, w13, act, sorted_ids, expert_ids, total, x.shape[0] * top_k, inter, hidden, num_m,
-                          x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=block_m,
-                          EXACT=_exact(x), PDL=pdl(x), **tiles, **launch_opts(x))
+    _gate_up_kernel[grid](x, w13, act, al.sorted_ids, al.expert_ids, al.total, al.topk_ids, al.expert_start,
+                          al.experts, x.shape[0] * top_k, inter, hidden, num_m, x.stride(0), w13.stride(0),
+                          w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=block_m, EXACT=_exact(x), PDL=pdl(x),
+                          **tiles, **launch_opts(x))
     return act
 
 
-def down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, aligned, block_m: int,
+def down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, al: Aligned, block_m: int,
          tiles: dict) -> torch.Tensor:
     """Step 3: parts [splits, T * k, H] float32 (see _down_kernel)."""
-    sorted_ids, expert_ids, total = aligned
     hidden, inter = w2.shape[1], w2.shape[2]
     tiles = dict(tiles)
     k_split = triton.cdiv(triton.cdiv(inter, tiles.pop("SPLIT_K", 1)), tiles["BLOCK_K"]) * tiles["BLOCK_K"]
     splits = triton.cdiv(inter, k_split)
     pairs = topk_weights.numel()
     parts = torch.empty((splits, pairs, hidden), dtype=torch.float32, device=act.device)
-    num_m = expert_ids.shape[0]
+    num_m = al.blocks
     grid = (num_m * triton.cdiv(hidden, tiles["BLOCK_N"]), splits)
-    _down_kernel[grid](act, w2, parts, topk_weights, sorted_ids, expert_ids, total, pairs, hidden, inter, num_m,
-                       act.stride(0), w2.stride(0), w2.stride(1), k_split, BLOCK_M=block_m,
-                       EXACT=_exact(act), PDL=pdl(act), **tiles, **launch_opts(act))
+    _down_kernel[grid](act, w2, parts, topk_weights, al.sorted_ids, al.expert_ids, al.total, al.topk_ids,
+                       al.expert_start, al.experts, pairs, hidden, inter, num_m, act.stride(0), w2.stride(0),
+                       w2.stride(1), k_split, BLOCK_M=block_m, EXACT=_exact(act), PDL=pdl(act), **tiles,
+                       **launch_opts(act))
     return parts
 
 
