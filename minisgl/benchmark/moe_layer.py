@@ -68,8 +68,15 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes per second a large device-to-device copy moves (read + written)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = time_us(lambda i: dst.copy_(src), 1, replays=20)
-    return 2 * nbytes / (us * 1e-6)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):  # eager: one copy is milliseconds, launch costs do not count
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 20 / (start.elapsed_time(end) * 1e-3)
 
 
 def layer_weights(experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
