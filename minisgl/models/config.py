@@ -65,3 +65,21 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hf_config=hf,
         )
+
+    def check_tp(self, tp_size: int) -> None:
+        """Refuse a TP size the model's heads and MLP cannot be split by (before any weight loads)."""
+        if tp_size == 1:
+            return
+        problems = []
+        if self.num_heads % tp_size:
+            problems.append(f"num_attention_heads={self.num_heads}")
+        kv = self.num_kv_heads
+        if (kv % tp_size if kv >= tp_size else tp_size % kv) != 0:  # fewer KV heads than ranks: replicated
+            problems.append(f"num_key_value_heads={kv} (the TP size must divide it or be a multiple of it)")
+        if self.intermediate_size and self.intermediate_size % tp_size:
+            problems.append(f"intermediate_size={self.intermediate_size}")
+        if problems:
+            raise ValueError(
+                f"{self.architecture} cannot be split over {tp_size} tensor-parallel ranks: "
+                f"{', '.join(problems)} not divisible by {tp_size}; choose a --tp-size that divides them"
+            )

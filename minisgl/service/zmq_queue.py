@@ -128,6 +128,10 @@ class ZmqPubQueue(Generic[T]):
         self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first per topic
         self.encoder = encoder
 
+    def bind_tcp(self) -> int:
+        """Also listen on a free TCP port of every interface (for the ranks of other nodes); returns it."""
+        return self.socket.bind_to_random_port("tcp://*")
+
     def wait_for_subscribers(self, n: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         joined = 0
@@ -141,8 +145,9 @@ class ZmqPubQueue(Generic[T]):
     def put(self, obj: T) -> None:
         self.socket.send(self.encoder(obj), copy=False)
 
-    def stop(self) -> None:
-        self.socket.close(linger=0)
+    def stop(self, linger: float = 0.0) -> None:
+        """Close; `linger` seconds let the last message reach subscribers over TCP."""
+        self.socket.close(linger=int(linger * 1000))
 
 
 class ZmqSubQueue(Generic[T]):
