@@ -16,6 +16,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from helpers import TINY_SPECS, build_tiny_model, make_llm, random_prompt, tiny_llm_kwargs
 
 from minisgl.core import SamplingParams
@@ -73,6 +74,7 @@ def test_tp2_equals_tp1_token_for_token_batched_and_chunked(tp_models, name):
     prompts, params = _prompts(vocab)
     with make_llm(tp_models[name], **tiny_llm_kwargs()) as llm:
         expected = [o["token_ids"] for o in llm.generate(prompts, params)]
+        assert not torch.distributed.is_initialized()  # TP=1 forms no process group
         weights_tp1 = llm.rank_states()[0]["memory"]["weights"]
     # chunked: a 16-token prefill budget splits the longer prompts over several steps
     with make_llm(tp_models[name], **tiny_llm_kwargs(tp_size=2, max_prefill_length=16)) as llm:

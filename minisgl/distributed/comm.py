@@ -1,5 +1,5 @@
 """Collectives used by the parallel layers, and the CPU (gloo) group the ranks coordinate over. At TP=1
-nothing is created and the collectives return their input untouched."""
+no group is created and the collectives return their input untouched."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import torch.distributed as dist
 
 from minisgl.utils import init_logger
 
-from .info import get_tp_info
-
 logger = init_logger(__name__)
 
 # rank 0's messages to the other ranks can be minutes apart (an idle LLM, an idle service): the control
 # group waits that long; a dead peer still fails it at once (its sockets close)
 CONTROL_TIMEOUT = timedelta(days=30)
 _CONTROL_GROUP: Any = None
+_FORMED = False  # whether this process joined a group: the collectives are the identity until then
 
 
 class RankJoinError(RuntimeError):
@@ -26,12 +25,18 @@ class RankJoinError(RuntimeError):
 
 
 def init_process_group(
-    rank: int, size: int, init_method: str, device: torch.device, timeout: float = 120.0
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    timeout: float = 120.0,
+    force: bool = False,
 ) -> None:
     """Join the TP group (NCCL on CUDA, gloo on a CPU) and a gloo group for CPU-side coordination.
-    Waits at most `timeout` seconds for every rank; the model's collectives time out after as long."""
-    global _CONTROL_GROUP
-    if size == 1:
+    Waits at most `timeout` seconds for every rank; the model's collectives time out after as long.
+    At size 1 nothing is created unless `force` (a test of the collectives on one GPU)."""
+    global _CONTROL_GROUP, _FORMED
+    if size == 1 and not force:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if rank == 0:  # NCCL's set-up takes seconds, before anything else is logged
@@ -51,19 +56,20 @@ def init_process_group(
             f"and a distinct --node-rank?): {str(e).splitlines()[0]}"
         ) from None
     _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _FORMED = True
 
 
 def destroy_process_group() -> None:
     """Leave the TP group (after the last collective)."""
-    global _CONTROL_GROUP
+    global _CONTROL_GROUP, _FORMED
     if dist.is_initialized():
         dist.destroy_process_group()
-    _CONTROL_GROUP = None
+    _CONTROL_GROUP, _FORMED = None, False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place."""
-    if get_tp_info().size == 1:
+    if not _FORMED:
         return x
     dist.all_reduce(x)
     return x
@@ -71,9 +77,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard along the last dimension (the vocab-parallel LM head)."""
-    size = get_tp_info().size
-    if size == 1:
+    if not _FORMED:
         return x
+    size = dist.get_world_size()
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
@@ -82,7 +88,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 # ---- CPU-side coordination (the control group) ----------------------------------------------------------
 def broadcast_object(obj: Any = None) -> Any:
     """Rank 0's `obj` on every rank (the others pass nothing), over the control group."""
-    if get_tp_info().size == 1:
+    if not _FORMED:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=_CONTROL_GROUP)
@@ -91,17 +97,16 @@ def broadcast_object(obj: Any = None) -> Any:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, over the control group."""
-    size = get_tp_info().size
-    if size == 1:
+    if not _FORMED:
         return [obj]
-    out: list[Any] = [None] * size
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=_CONTROL_GROUP)
     return out
 
 
 def all_reduce_min(value: int) -> int:
     """The smallest rank's `value` (e.g. KV pages that fit in its free memory)."""
-    if get_tp_info().size == 1:
+    if not _FORMED:
         return value
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
