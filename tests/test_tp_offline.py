@@ -162,3 +162,40 @@ def test_the_rank_processes_die_with_their_parent(tp_models, tmp_path):
         if parent.poll() is None:
             parent.kill()
         parent.stdout.close()
+
+
+def test_two_nodes_of_one_rank_each_equal_tp1(tp_models, tmp_path):
+    """LLM(nnodes=2): node 1 (another process here, another machine in real use) runs its rank until
+    node 0's LLM shuts down, then its LLM(...) returns."""
+    from helpers import free_port
+
+    path = tp_models["llama_kv1"]
+    addr = f"127.0.0.1:{free_port()}"
+    common = {"tp_size": 2, "nnodes": 2, "dist_init_addr": addr}
+    script = tmp_path / "node1.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from minisgl.llm import LLM
+
+            if __name__ == "__main__":
+                LLM({path!r}, node_rank=1, num_page_override=4096, show_progress=False, **{common!r})
+                print("node 1 done", flush=True)
+            """
+        )
+    )
+    node1 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        prompts, params = _prompts(TINY_SPECS["llama"].config_kwargs["vocab_size"])
+        with make_llm(path, **tiny_llm_kwargs()) as llm:
+            expected = [o["token_ids"] for o in llm.generate(prompts, params)]
+        with make_llm(path, **tiny_llm_kwargs(node_rank=0, **common)) as llm:
+            assert llm.ranks.procs == []  # one rank per node: node 0 spawns none
+            got = [o["token_ids"] for o in llm.generate(prompts, params)]
+        assert got == expected
+        assert node1.wait(60) == 0
+        assert "node 1 done" in node1.stdout.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        node1.stdout.close()
