@@ -35,13 +35,15 @@ def _open(ctx: zmq.Context, kind: int, addr: str, create: bool) -> zmq.Socket:
 
 
 def _wait(sock: zmq.Socket, timeout: float | None) -> bool:
-    """Whether a message is ready within `timeout` seconds (None: wait for one). An endless wait still
+    """Whether a message is ready within `timeout` seconds (None: wait for one). A long wait still
     returns to Python every second: a process signal taken by another thread (ZMQ's, a tokenizer pool's)
     does not interrupt this one's poll, and its Python handler (the workers' SIGTERM) runs only then."""
-    if timeout is not None:
+    if timeout is not None and timeout <= 1.0:
         return bool(sock.poll(int(timeout * 1000)))
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not sock.poll(1000):
-        pass
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
     return True
 
 
