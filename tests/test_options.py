@@ -20,7 +20,7 @@ from minisgl.utils import options
 from minisgl.utils.options import OptionError, flag, option
 
 # fields the launcher fills in per process: never flags, still keywords of the configs
-INTERNAL = {"tp_info", "dist_init_method", "extra_eos_token_ids", "ipc_dir"}
+INTERNAL = {"tp_rank", "dist_init_method", "extra_eos_token_ids", "ipc_dir"}
 
 
 class _Built(Exception):

@@ -7,7 +7,7 @@ fields (minisgl/utils/options.py). Adding an option means adding one field and u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -85,13 +85,44 @@ class EngineConfig:
     ep_size: int = option(
         1, help="expert parallelism: MoE experts split over this many of the TP ranks", min=1, aliases=["ep"]
     )
-    # set by the launcher per process, not options
-    tp_info: DistributedInfo = field(default_factory=DistributedInfo)
+    tp_size: int = option(1, help="tensor-parallel ranks in all (one process each)", min=1, aliases=["tp"])
+    nnodes: int = option(1, help="machines the ranks are spread over, --tp-size / --nnodes each", min=1)
+    node_rank: int = option(0, help="this machine's index; node 0 serves HTTP", min=0)
+    dist_init_addr: str = option(
+        "",
+        help="node 0's HOST:PORT that every rank joins at (default: a free local port)",
+        metavar="HOST:PORT",
+    )
+    dist_timeout: float = option(
+        120.0, help="seconds to wait for every rank to join, and for one collective", min=0.1
+    )
+    # set per process by the launcher (or LLM), not options
+    tp_rank: int = 0
     dist_init_method: str = "tcp://127.0.0.1:29517"
+
+    @property
+    def tp_info(self) -> DistributedInfo:
+        """This process's rank in the tensor-parallel group."""
+        return DistributedInfo(self.tp_rank, self.tp_size, self.ep_size)
 
     def __post_init__(self) -> None:
         check(self)  # every option of the chain, the subclasses' too
+        check_parallel(self)
         try:  # a registry name, refused here so that a typo fails before any model work
             check_attn_name(self.attn)
         except ValueError as e:
             raise OptionError("attn", str(e)) from None
+
+
+def check_parallel(c: EngineConfig) -> None:
+    """Refuse a TP layout the nodes cannot hold (OptionError naming the field)."""
+    if c.tp_size % c.nnodes:
+        raise OptionError("tp_size", f"must be a multiple of --nnodes {c.nnodes}, got {c.tp_size}")
+    if c.node_rank >= c.nnodes:
+        raise OptionError("node_rank", f"must be < --nnodes {c.nnodes}, got {c.node_rank}")
+    if c.nnodes > 1 and not c.dist_init_addr:
+        raise OptionError("dist_init_addr", "is needed with --nnodes > 1 (node 0's HOST:PORT)")
+    if c.dist_init_addr:
+        host, _, port = c.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise OptionError("dist_init_addr", f"must be HOST:PORT, got {c.dist_init_addr!r}")

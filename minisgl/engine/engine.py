@@ -5,14 +5,14 @@ It computes; it never decides. The scheduler hands it a prepared Batch and gets 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
-from minisgl.distributed import init_process_group, set_tp_info
+from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
@@ -51,23 +51,24 @@ def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        tp = replace(config.tp_info, ep_size=config.ep_size)
+        tp = config.tp_info
         set_tp_info(tp)
         self.device = pick_device(config.device)
-        if is_cuda(self.device):
-            self.device = torch.device("cuda", tp.rank % torch.cuda.device_count())
+        if is_cuda(self.device):  # each node runs tp_size / nnodes ranks on its own GPUs
+            local_rank = tp.rank % (tp.size // config.nnodes)
+            self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
-            threads = set_cpu_threads(tp.size)
+            threads = set_cpu_threads(tp.size // config.nnodes)
             logger.info(f"CPU engine: {threads} threads")
-        init_process_group(tp.rank, tp.size, config.dist_init_method, self.device)
 
         self.model_dir = resolve_model_path(config.model_path)
         hf_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config)
+        self.model_config.check_tp(tp.size, tp.ep_size)  # on every rank, before any rank waits for the others
+        init_process_group(tp.rank, tp.size, config.dist_init_method, self.device, config.dist_timeout)
         self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
         self.max_seq_len = self._max_seq_len(hf_config)
-        self._check_expert_parallel(tp)
         self.moe_backend = (
             create_moe_backend(config.moe_backend, self.device) if self.model_config.moe else None
         )
@@ -111,7 +112,10 @@ class Engine:
         self.sampler = Sampler(self.device, self.token_pool)
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
         self.graph_runner = self.prefill_graphs = None
+        before = torch.cuda.memory_reserved(self.device) if is_cuda(self.device) else 0
         self._init_graphs()
+        graphs = torch.cuda.memory_reserved(self.device) - before if is_cuda(self.device) else 0
+        self.memory = self._report_memory(graphs)
         logger.info(
             f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
             f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
@@ -131,19 +135,6 @@ class Engine:
         if self.config.max_seq_len_override:
             limit = min(limit, self.config.max_seq_len_override)
         return limit
-
-    def _check_expert_parallel(self, tp) -> None:
-        """--ep N before any weight is read: an MoE model, N dividing the TP size and the experts."""
-        moe = self.model_config.moe
-        if tp.ep_size == 1:
-            return
-        if moe is None:
-            raise ValueError(f"--ep {tp.ep_size}: {self.model_config.architecture} has no experts")
-        if tp.size % tp.ep_size or moe.num_experts % tp.ep_size:
-            raise ValueError(
-                f"--ep {tp.ep_size} must divide the TP size ({tp.size}) and the number of experts "
-                f"({moe.num_experts})"
-            )
 
     def _build_model(self) -> torch.nn.Module:
         """The model, its parameters allocated in the engine's dtype on its device (weights come next)."""
@@ -183,11 +174,26 @@ class Engine:
             )
         else:
             num = self.config.cpu_kv_cache_bytes // per_page
+        if not self.config.num_pages:  # every rank holds the same pages: as many as the fullest rank fits
+            num = all_reduce_min(num)
         if num * page < self.max_seq_len // 8 or num < 2:
             raise ValueError(
                 f"the KV pool holds only {num} pages of {page} tokens; give more memory or pages"
             )
         return num
+
+    def _report_memory(self, graphs: int) -> dict[str, int]:
+        """This rank's bytes of weights, KV pool and graph buffers (CUDA's pool growth while capturing),
+        logged per rank."""
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        kv = sum(t.numel() * t.element_size() for t in (self.kv_pool.k_buffer, self.kv_pool.v_buffer))
+        memory = {"weights": weights, "kv_pool": kv, "graphs": graphs}
+        tp = self.config.tp_info
+        logger.info(
+            f"Memory of rank {tp.rank}/{tp.size}: weights {weights / 2**30:.3f} GiB, "
+            f"KV pool {kv / 2**30:.3f} GiB ({self.num_pages} pages), graphs {graphs / 2**30:.3f} GiB"
+        )
+        return memory
 
     def _init_graphs(self) -> None:
         cfg = self.config
@@ -280,7 +286,4 @@ class Engine:
                 delattr(self, name)
         if is_cuda(self.device):
             torch.cuda.empty_cache()
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()

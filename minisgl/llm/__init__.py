@@ -1,5 +1,6 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`."""
 
 from .llm import LLM
+from .ranks import RankFailed
 
-__all__ = ["LLM"]
+__all__ = ["LLM", "RankFailed"]

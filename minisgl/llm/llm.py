@@ -4,18 +4,37 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from minisgl.core import InvalidRequest, SamplingParams
-from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.models import ModelConfig
+from minisgl.scheduler import Scheduler, SchedulerConfig, StepOutput
 from minisgl.utils import init_logger
-from minisgl.utils.hf import load_tokenizer
+from minisgl.utils.hf import load_hf_config, load_tokenizer, resolve_model_path
 from minisgl.utils.options import build
+
+from .ranks import FollowerRanks, follow_rank0, rank_state
 
 logger = init_logger(__name__)
 
 Prompt = str | list[int]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load_tokenizer(model_dir: str) -> Any:
+    has_tokenizer = any(
+        os.path.exists(os.path.join(model_dir, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    return load_tokenizer(model_dir) if has_tokenizer else None
 
 
 class LLM:
@@ -26,18 +45,58 @@ class LLM:
         `max_running_req=8, num_page_override=2048, max_seq_len_override=512, dtype="float32"`); an unknown
         keyword is a TypeError naming it, a value out of range a ValueError naming the field."""
         given = options if model_path is None else {"model_path": model_path, **options}
-        self.scheduler = Scheduler(build(SchedulerConfig, given))
-        model_dir = self.scheduler.engine.model_dir
-        has_tokenizer = any(
-            os.path.exists(os.path.join(model_dir, f))
-            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        )
-        self.tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
+        config = build(SchedulerConfig, given)
+        self.ranks: FollowerRanks | None = None
+        self.scheduler: Scheduler | None = None
+        self.tokenizer = None
+        self._uids = itertools.count()
+        if config.tp_size > 1:
+            config = self._start_ranks(config)
+            if config.node_rank > 0:
+                return
+        try:
+            self.scheduler = Scheduler(config)
+        except BaseException:
+            if self.ranks is None:
+                raise
+            try:
+                with self.ranks.guard():  # a follower's failure is why rank 0 failed: name it
+                    raise
+            finally:
+                self.ranks.shutdown(kill=True)
+                self.ranks = None
+        self.tokenizer = _load_tokenizer(self.scheduler.engine.model_dir)
         if self.tokenizer is not None:  # the tokenizer's EOS ends generation too (e.g. <|im_end|>)
             eos = self.tokenizer.eos_token_id
             if eos is not None:
                 self.scheduler.eos_token_ids.add(int(eos))
-        self._uids = itertools.count()
+
+    def _start_ranks(self, config: SchedulerConfig) -> SchedulerConfig:
+        """TP > 1: check the split, pick the rendezvous, spawn this node's other ranks. On a node other
+        than node 0, run this node's first rank here until rank 0 stops (then the LLM is closed)."""
+        model_dir = resolve_model_path(config.model_path)
+        ModelConfig.from_hf(load_hf_config(model_dir)).check_tp(
+            config.tp_size, config.ep_size
+        )  # before any process
+        addr = config.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        tokenizer = _load_tokenizer(model_dir)  # its EOS ends generation on every rank alike
+        eos = [] if tokenizer is None or tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        config = replace(
+            config,
+            model_path=model_dir,
+            dist_init_method=f"tcp://{addr}",
+            extra_eos_token_ids=[*config.extra_eos_token_ids, *eos],
+        )
+        first = config.node_rank * (config.tp_size // config.nnodes)
+        self.ranks = FollowerRanks(config, first_rank=first + 1)
+        if first == 0:
+            return config
+        try:
+            follow_rank0(config, first)
+        finally:
+            self.ranks.shutdown()
+            self.ranks = None
+        return config
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -84,10 +143,10 @@ class LLM:
             {"token_ids": [], "finish_reason": None, "prompt_tokens": len(ids)} for ids in encoded
         ]
         for uid, ids, p in zip(uids, encoded, params):
-            self.scheduler.add_request(uid, ids, p)
+            self.add_request(uid, ids, p)
         remaining = len(uids)
         while remaining:
-            for res in self.scheduler.step():
+            for res in self.step():
                 if res.uid not in index:
                     continue
                 out = outputs[index[res.uid]]
@@ -100,10 +159,45 @@ class LLM:
                     out["finish_reason"] = str(res.finish_reason)  # the plain value, as before
                     remaining -= 1
         while self.scheduler.has_work:  # let the in-flight step (if any) land
-            self.scheduler.step()
+            self.step()
         for out in outputs:
             out["text"] = self.decode(out["token_ids"])
         return outputs
+
+    # ---- the scheduler of every rank -------------------------------------------------------------
+    def add_request(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request on every rank (validated already); `step` runs it."""
+        self._scheduler().add_request(uid, input_ids, params)
+        if self.ranks is not None:
+            self.ranks.add_request(uid, input_ids, params)
+
+    def abort_request(self, uid: int) -> None:
+        """Stop a request on every rank and free its KV."""
+        self._scheduler().abort_request(uid)
+        if self.ranks is not None:
+            self.ranks.abort_request(uid)
+
+    def step(self) -> list[StepOutput]:
+        """One scheduling step on every rank (the others first get the requests added and aborted since)."""
+        scheduler = self._scheduler()
+        if self.ranks is None:
+            return scheduler.step()
+        self.ranks.before_step()
+        with self.ranks.guard():
+            return scheduler.step()
+
+    def rank_states(self) -> list[dict[str, Any]]:
+        """Per rank, in rank order: free, cached and total KV pages, the idle integrity check's error
+        (None: clean) and the memory plan (bytes of weights, KV pool, graphs)."""
+        scheduler = self._scheduler()
+        if self.ranks is None:
+            return [rank_state(scheduler)]
+        return self.ranks.states(scheduler)
+
+    def _scheduler(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("this LLM is shut down (or ran a node's ranks other than rank 0)")
+        return self.scheduler
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -115,7 +209,11 @@ class LLM:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
-        """Free the model, the KV pool and every device buffer."""
+        """Stop the other ranks (joining their processes), then free the model, the KV pool and every
+        device buffer."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.shutdown()
+            self.ranks = None
         if getattr(self, "scheduler", None) is not None:
             self.scheduler.shutdown()
             self.scheduler = None

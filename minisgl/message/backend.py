@@ -41,3 +41,4 @@ class BatchBackendMsg:
     """Everything rank 0 received in one loop iteration; the other ranks apply exactly this list."""
 
     msgs: list[BackendMsg] = field(default_factory=list)
+    stop: bool = False  # rank 0 is stopping: the other ranks stop too (ranks on other nodes learn it here)

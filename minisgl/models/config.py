@@ -94,3 +94,40 @@ class ModelConfig:
             moe=MoEConfig.from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
         )
+
+    def check_tp(self, tp_size: int, ep_size: int = 1) -> None:
+        """Refuse a TP size the model's heads and MLP cannot be split by, or an EP size its experts cannot
+        (before any weight loads)."""
+        self._check_ep(tp_size, ep_size)
+        if tp_size == 1:
+            return
+        problems = []
+        if self.num_heads % tp_size:
+            problems.append(f"num_attention_heads={self.num_heads}")
+        kv = self.num_kv_heads
+        if (kv % tp_size if kv >= tp_size else tp_size % kv) != 0:  # fewer KV heads than ranks: replicated
+            problems.append(f"num_key_value_heads={kv} (the TP size must divide it or be a multiple of it)")
+        dense = self.moe is None or len(self.moe.sparse_layers) < self.num_layers
+        if dense and self.intermediate_size and self.intermediate_size % tp_size:
+            problems.append(f"intermediate_size={self.intermediate_size}")
+        if self.moe is not None and self.moe.intermediate_size % (tp_size // ep_size):
+            problems.append(
+                f"the experts' intermediate size {self.moe.intermediate_size} (over --ep {ep_size})"
+            )
+        if problems:
+            raise ValueError(
+                f"{self.architecture} cannot be split over {tp_size} tensor-parallel ranks: "
+                f"{', '.join(problems)} not divisible by {tp_size}; choose a --tp-size that divides them"
+            )
+
+    def _check_ep(self, tp_size: int, ep_size: int) -> None:
+        """--ep N: an MoE model, N dividing the TP size and the number of experts."""
+        if ep_size == 1:
+            return
+        if self.moe is None:
+            raise ValueError(f"--ep {ep_size}: {self.architecture} has no experts")
+        if tp_size % ep_size or self.moe.num_experts % ep_size:
+            raise ValueError(
+                f"--ep {ep_size} must divide the TP size ({tp_size}) and the number of experts "
+                f"({self.moe.num_experts})"
+            )

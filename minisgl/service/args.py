@@ -31,7 +31,6 @@ class ServerArgs(SchedulerConfig):
     )
     host: str = option("127.0.0.1", help="the HTTP server's address")
     port: int = option(1919, help="the HTTP server's port", min=1, max=65535)
-    tp: int = option(1, help="tensor-parallel size (one scheduler process per rank)", min=1)
     num_tokenizer: int = option(
         0, help="0: one process tokenizes and detokenizes; N: N tokenizers + 1 detokenizer", min=0
     )
@@ -70,6 +69,15 @@ class ServerArgs(SchedulerConfig):
     def model_name(self) -> str:
         """The name replies report."""
         return self.model_names[0]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The TP ranks this node runs (rank = node_rank * ranks_per_node + local GPU index)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
     # ---- where each process listens (ipc sockets in `ipc_dir`) -----------------------------------
     def _addr(self, name: str) -> str:

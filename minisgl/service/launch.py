@@ -2,7 +2,9 @@
 is ready, then serve.
 
 Processes: this one (API server or shell), one scheduler per TP rank, and the tokenizer side (one worker
-doing both with --num-tokenizer 0, else N tokenizers + 1 detokenizer). Workers are started with `spawn`
+doing both with --num-tokenizer 0, else N tokenizers + 1 detokenizer). With --nnodes N the same command
+runs on every node with its --node-rank: node 0 runs all of the above for its ranks, another node only its
+--tp-size / N scheduler ranks (and no HTTP port); that node's launcher exits when rank 0 stops. Workers are started with `spawn`
 (CUDA, threads and ZMQ contexts do not survive a fork), ignore Ctrl-C (the launcher stops them) and die
 with the launcher (PR_SET_PDEATHSIG). A worker that dies takes the whole service down with a message.
 
@@ -62,7 +64,6 @@ def _child_init(parent_pid: int) -> None:
 
 
 def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
-    from minisgl.distributed import DistributedInfo
     from minisgl.utils.hf import load_tokenizer
 
     eos: list[int] = []
@@ -75,7 +76,7 @@ def _scheduler_config(args: ServerArgs, rank: int) -> ServerArgs:
     # ServerArgs is a SchedulerConfig: only what differs per rank is filled in here
     return replace(
         args,
-        tp_info=DistributedInfo(rank, args.tp),
+        tp_rank=rank,
         show_progress=args.show_progress and rank == 0,
         extra_eos_token_ids=eos,
     )
@@ -90,9 +91,17 @@ def _start_scheduler(args: ServerArgs, rank: int, ack_queue: Any, name: str) -> 
 
         scheduler = Scheduler(_scheduler_config(args, rank))
         io = SchedulerIO(
-            scheduler, args.backend_addr, args.detokenizer_addr, args.broadcast_addr, rank, args.tp
+            scheduler,
+            args.backend_addr,
+            args.detokenizer_addr,
+            args.broadcast_addr,
+            rank,
+            args.tp_size,
+            tcp_host=args.dist_init_addr.rpartition(":")[0] if args.nnodes > 1 else None,
+            same_node=rank < args.ranks_per_node,
+            silence_timeout=args.dist_timeout,
         )
-        io.wait_for_ranks()  # rank 0: every other rank has subscribed
+        io.wait_for_ranks(args.dist_timeout)  # rank 0: every other rank has subscribed
     except SystemExit:  # stopped by the launcher
         raise
     except BaseException as e:
@@ -180,7 +189,7 @@ class ServiceProcesses:
 
     def start(self) -> None:
         a, pid = self.args, os.getpid()
-        for rank in range(a.tp):
+        for rank in a.node_ranks:
             self.procs.append(
                 self.ctx.Process(
                     target=_run_scheduler,
@@ -188,7 +197,7 @@ class ServiceProcesses:
                     name=f"minisgl-scheduler-{rank}",
                 )
             )
-        for kw in _tokenizer_workers(a):
+        for kw in _tokenizer_workers(a) if a.node_rank == 0 else []:
             self.procs.append(
                 self.ctx.Process(
                     target=_run_tokenizer, args=(kw, self.ack_queue, pid), name=f"minisgl-{kw['worker_name']}"
@@ -330,23 +339,34 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def check_model(model_dir: str) -> None:
-    """Refuse an architecture no model class implements, from config.json alone (before any weight loads)."""
+def check_model(model_dir: str, tp_size: int = 1, ep_size: int = 1) -> None:
+    """Refuse an architecture no model class implements, or a TP (EP) size its heads (experts) cannot be
+    split by, from config.json alone (before any worker starts)."""
     import json
+    from types import SimpleNamespace
 
-    from minisgl.models import MODELS
+    from minisgl.models import MODELS, ModelConfig
 
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
+            hf = json.load(f)
     except (OSError, ValueError):
         return  # the engine's own loading reports a missing or broken config
+    archs = hf.get("architectures") or []
     unknown = [a for a in archs[:1] if a not in MODELS]
     if unknown:
         raise StartupError(
             f"{model_dir}: unsupported model architecture {unknown[0]!r}; "
             f"supported: {', '.join(MODELS.names())}"
         )
+    try:
+        model_config = ModelConfig.from_hf(SimpleNamespace(**hf))
+    except (AttributeError, TypeError):
+        return  # a config.json of another shape (e.g. nested): the engine checks once it has loaded it
+    try:
+        model_config.check_tp(tp_size, ep_size)
+    except ValueError as e:
+        raise StartupError(f"{model_dir}: {e}") from None
 
 
 def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
@@ -390,18 +410,34 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
     return 1 if service.failure else 0
 
 
+def _follow_node0(args: ServerArgs, service: ServiceProcesses) -> int:
+    """A node other than node 0: its ranks follow rank 0 until it stops (they stop with it: exit 0) or one of
+    them fails (exit 1)."""
+    service.wait_ready()
+    ranks = f"{args.node_ranks.start}..{args.node_ranks.stop - 1}"
+    logger.info(f"Node {args.node_rank}: ranks {ranks} follow rank 0 at {args.dist_init_addr}")
+    while True:
+        stopped = [p for p in service.procs if not p.is_alive()]
+        if stopped and all(p.exitcode == 0 for p in stopped):
+            logger.info(f"Rank 0 stopped the service; node {args.node_rank} stops too")
+            return 0
+        if stopped:
+            raise WorkerDied(service.dead() or "a worker exited")
+        time.sleep(0.5)
+
+
 def _prepare(args: ServerArgs) -> tuple[ServerArgs, socket.socket | None]:
     """Everything checked before a worker starts: the port first (instant), then the model (a .gguf is
     converted here, once)."""
     from minisgl.utils.hf import resolve_model_path
 
-    sock = None if args.shell else bind_port(args.host, args.port)
+    sock = None if args.shell or args.node_rank > 0 else bind_port(args.host, args.port)
     try:
         try:
             args = replace(args, model_path=resolve_model_path(args.model_path))
         except ValueError as e:  # a path that does not exist, a hub id that does not resolve
             raise StartupError(str(e)) from None
-        check_model(args.model_path)
+        check_model(args.model_path, args.tp_size, args.ep_size)
     except BaseException:  # Ctrl-C during a conversion too
         if sock is not None:
             sock.close()
@@ -422,7 +458,9 @@ def launch(args: ServerArgs) -> int:
         logger.info("Stopped before the service started")
         return 0
     args = replace(args, ipc_dir=tempfile.mkdtemp(prefix="minisgl-"))
-    if args.tp > 1:
+    if args.dist_init_addr:
+        args = replace(args, dist_init_method=f"tcp://{args.dist_init_addr}")
+    elif args.tp_size > 1:
         args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
     # OpenMP threads that spin while waiting collapse when another process needs the same cores, and here
     # the API server and the tokenizer worker always do (docs/BENCHMARKS.md, W4). Sleeping waiters cost
@@ -435,7 +473,9 @@ def launch(args: ServerArgs) -> int:
     code = 0
     try:
         service.start()
-        if args.shell:
+        if args.node_rank > 0:
+            code = _follow_node0(args, service)
+        elif args.shell:
             from .shell import run_shell
 
             service.wait_ready()

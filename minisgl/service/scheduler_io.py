@@ -3,6 +3,10 @@
 Only rank 0 talks to the tokenizer side. Every loop iteration it forwards what it received (possibly
 nothing) verbatim to the other ranks over PUB/SUB, and every rank applies the same messages before the
 same step, so all ranks make identical decisions. Idle ranks block on their socket; busy ranks only poll.
+The fan-out is an ipc socket within node 0; ranks on other nodes subscribe over TCP (the port goes to
+them over torch.distributed), and since their own launcher cannot see node 0's processes, an idle rank 0
+sends an empty batch every HEARTBEAT seconds and a last one on its way out: a rank that hears nothing
+for `silence_timeout` seconds stops with an error.
 A message that fails (a request the scheduler refuses, or anything raised while adding it) becomes an
 error reply for its uid; the loop goes on.
 This module is the service's: the offline path (LLM) never imports it.
@@ -14,6 +18,7 @@ import time
 from typing import Any
 
 from minisgl.core import FinishReason, InvalidRequest
+from minisgl.distributed import broadcast_object
 from minisgl.env import ENV
 from minisgl.message import (
     AbortMsg,
@@ -35,6 +40,7 @@ logger = init_logger(__name__)
 
 STATS_INTERVAL = 0.5  # seconds between statistics updates to the API server while busy
 ABORT_MEMORY = 600.0  # seconds an abort for a not-yet-seen uid is remembered (N tokenizers can reorder)
+HEARTBEAT = 1.0  # seconds between an idle rank 0's empty batches when ranks run on other nodes
 
 
 class SchedulerIO:
@@ -49,20 +55,29 @@ class SchedulerIO:
         broadcast_addr: str,
         rank: int = 0,
         world_size: int = 1,
+        tcp_host: str | None = None,
+        same_node: bool = True,
+        silence_timeout: float = 120.0,
     ) -> None:
+        """`tcp_host`: node 0's address when ranks run on other nodes (None: one node); `same_node`:
+        whether this rank runs on node 0 (it then subscribes over ipc)."""
         self.scheduler = scheduler
         self.rank, self.world_size = rank, world_size
         self.recv: ZmqPullQueue[BackendMsg] | None = None
         self.send: ZmqPushQueue[Any] | None = None
         self.pub: ZmqPubQueue[BatchBackendMsg] | None = None
         self.sub: ZmqSubQueue[BatchBackendMsg] | None = None
+        self.multi_node, self.silence_timeout = tcp_host is not None, silence_timeout
         if rank == 0:
             self.recv = ZmqPullQueue(backend_addr, create=True, decoder=loads)
             self.send = ZmqPushQueue(detokenizer_addr, create=False, encoder=dumps)
             if world_size > 1:
                 self.pub = ZmqPubQueue(broadcast_addr, encoder=dumps)
+            if self.pub is not None and tcp_host is not None:
+                broadcast_object(f"tcp://{tcp_host}:{self.pub.bind_tcp()}")
         else:
-            self.sub = ZmqSubQueue(broadcast_addr, decoder=loads)
+            remote = broadcast_object() if tcp_host is not None else None
+            self.sub = ZmqSubQueue(broadcast_addr if same_node else remote, decoder=loads)
         self.live: set[int] = set()  # uids added and not finished
         self.early_aborts: dict[int, float] = {}  # aborts that arrived before their request
         self.outbox: list[DetokenizeMsg] = []  # replies produced outside step(): errors, aborts
@@ -117,11 +132,20 @@ class SchedulerIO:
 
     def _receive(self, blocking: bool) -> list[BackendMsg]:
         if self.sub is not None:  # rank > 0: exactly one batch per iteration, in rank 0's order
-            batch = self.sub.get()
+            batch = self.sub.get(self.silence_timeout if self.multi_node else None)
+            if batch is None:
+                raise RuntimeError(
+                    f"rank {self.rank}: nothing from rank 0 for {self.silence_timeout:.0f} s; node 0 is gone"
+                )
             assert isinstance(batch, BatchBackendMsg)
+            if batch.stop:
+                raise SystemExit(0)  # rank 0 stopped: so does this rank (and its node's launcher)
             return batch.msgs
         assert self.recv is not None
-        msgs = [self.recv.get()] if blocking else []
+        msgs: list[BackendMsg] = []
+        if blocking:  # with ranks on other nodes, an idle rank 0 still sends an (empty) batch now and then
+            first = self.recv.get(HEARTBEAT if self.multi_node else None)
+            msgs = [first] if first is not None else []
         msgs += self.recv.get_all()
         if self.pub is not None:
             self.pub.put(BatchBackendMsg(msgs))  # even when empty: the other ranks step in lockstep
@@ -206,6 +230,9 @@ class SchedulerIO:
         self.send.put(StatsMsg(stats))
 
     def stop(self) -> None:
-        for q in (self.recv, self.send, self.pub, self.sub):
+        if self.pub is not None:  # the ranks on other nodes stop with this one
+            self.pub.put(BatchBackendMsg(stop=True))
+            self.pub.stop(linger=1.0 if self.multi_node else 0.0)
+        for q in (self.recv, self.send, self.sub):
             if q is not None:
                 q.stop()

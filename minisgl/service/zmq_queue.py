@@ -35,13 +35,15 @@ def _open(ctx: zmq.Context, kind: int, addr: str, create: bool) -> zmq.Socket:
 
 
 def _wait(sock: zmq.Socket, timeout: float | None) -> bool:
-    """Whether a message is ready within `timeout` seconds (None: wait for one). An endless wait still
+    """Whether a message is ready within `timeout` seconds (None: wait for one). A long wait still
     returns to Python every second: a process signal taken by another thread (ZMQ's, a tokenizer pool's)
     does not interrupt this one's poll, and its Python handler (the workers' SIGTERM) runs only then."""
-    if timeout is not None:
+    if timeout is not None and timeout <= 1.0:
         return bool(sock.poll(int(timeout * 1000)))
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not sock.poll(1000):
-        pass
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
     return True
 
 
@@ -128,6 +130,10 @@ class ZmqPubQueue(Generic[T]):
         self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first per topic
         self.encoder = encoder
 
+    def bind_tcp(self) -> int:
+        """Also listen on a free TCP port of every interface (for the ranks of other nodes); returns it."""
+        return self.socket.bind_to_random_port("tcp://*")
+
     def wait_for_subscribers(self, n: int, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         joined = 0
@@ -141,8 +147,9 @@ class ZmqPubQueue(Generic[T]):
     def put(self, obj: T) -> None:
         self.socket.send(self.encoder(obj), copy=False)
 
-    def stop(self) -> None:
-        self.socket.close(linger=0)
+    def stop(self, linger: float = 0.0) -> None:
+        """Close; `linger` seconds let the last message reach subscribers over TCP."""
+        self.socket.close(linger=int(linger * 1000))
 
 
 class ZmqSubQueue(Generic[T]):
