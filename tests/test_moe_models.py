@@ -121,3 +121,40 @@ def test_expert_parallel_needs_an_moe_model_and_a_divisor(moe_dirs, tiny_model_d
         make_llm(moe_dirs["mixtral"], **tiny_llm_kwargs(moe_backend="nope")),
     ):
         pass
+
+
+@pytest.mark.parametrize(
+    ("name", "ep"),
+    [("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen3_moe_unnormed", 2), ("mixtral", 1), ("mixtral", 2)],
+)
+def test_moe_tp2_and_ep2_equal_hf(moe_dirs, name, ep):
+    """Two real rank processes over gloo, through the torch backend: TP=2 splits each expert's
+    intermediate dimension, EP=2 places half of the experts on each rank (one KV head: replicated); both
+    give Hugging Face's greedy tokens (and so TP=1's), with chunked prefill."""
+    prompts = prompts_for(name)
+    kwargs = tiny_llm_kwargs(tp_size=2, ep_size=ep, max_prefill_length=16)
+    with make_llm(moe_dirs[name], **kwargs) as llm:
+        experts = next(m for m in llm.scheduler.engine.model.modules() if m.__class__.__name__ == "Experts")
+        assert (
+            experts.num_local
+            == MOE_SPECS[name].config_kwargs.get(
+                "num_experts", MOE_SPECS[name].config_kwargs.get("num_local_experts")
+            )
+            // ep
+        )
+        outs = llm.generate(prompts, params())
+    ref = reference(moe_dirs, name)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, f"{name} tp=2 ep={ep}")
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "ep", "message"),
+    [("mixtral", 2, 4, "must divide the TP size"), ("qwen3_moe", 4, 4, "number of experts")],
+)
+def test_expert_parallel_sizes_are_refused_before_any_rank_starts(moe_dirs, name, tp, ep, message):
+    with (
+        pytest.raises(ValueError, match=message),
+        make_llm(moe_dirs[name], **tiny_llm_kwargs(tp_size=tp, ep_size=ep)),
+    ):
+        pass
