@@ -77,6 +77,12 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = option(1 << 30, help="KV pool size on a CPU when --num-pages is not given")
     show_progress: bool = option(True, help="log weight loading and graph capture progress")
     seed: int = option(0, help="torch's seed at start-up (dummy weights, unseeded sampling)")
+    weights_format: str = option(
+        "auto",
+        help="stored: a .gguf file's blocks (or bf16/fp16 weights) kept as they are on a CPU; float32: "
+        "converted (auto: stored for a .gguf on a CPU)",
+        choices=["auto", "stored", "float32"],
+    )
     # set by the launcher per process, not options
     tp_info: DistributedInfo = field(default_factory=DistributedInfo)
     dist_init_method: str = "tcp://127.0.0.1:29517"
