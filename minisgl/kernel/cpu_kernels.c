@@ -404,6 +404,9 @@ static inline uint16_t rd16(const uint8_t *p) {
 }
 
 static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
     if (exp == 0x1f) {
         u = sign | 0x7f800000 | (man << 13);  // inf / nan
@@ -618,7 +621,124 @@ static void linear_stored_dot(const float *x, int64_t ldx, const uint8_t *w, int
 }
 
 #if HAVE_AVX2
-/* The panel path (several activation rows): NR weight rows x QKC dequantized once into the k-major panel
+/* One block of 32 dequantized into four vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. */
+static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, __m256 v[4]) {
+    const __m256 d = _mm256_set1_ps(fp16_to_f32(rd16(src)));
+    // zero/sign-extending loads straight from memory: one shuffle per 8 quants (the port that limits this)
+    if (type == GT_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * i)))), d);
+        return;
+    }
+    const uint8_t *qs = src + (type == GT_Q4_1 ? 4 : 2);
+    const __m256i m4 = _mm256_set1_epi32(0x0f);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m4)),
+                   _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+    if (type == GT_Q4_1) {  // q * d is exact: the fused multiply-add rounds once, like the reference's add
+        const __m256 m = _mm256_set1_ps(fp16_to_f32(rd16(src + 2)));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_fmadd_ps(f[i], d, m);
+    } else {
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(_mm256_sub_ps(f[i], eight), d);
+    }
+}
+
+/* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
+ * dequantized into registers once and multiplied into all M rows (4M accumulators). type 0 (any type)
+ * reads rows already dequantized into buf [GR][QKC] a chunk at a time instead. */
+static inline __attribute__((always_inline)) void dot_group(const int type, const int M, const float *x,
+                                                            int64_t ldx, const uint8_t *const p[GR], int wtype,
+                                                            int64_t K, float out[GR][3]) {
+    __m256 acc[GR][3];
+    float buf[GR * QKC] __attribute__((aligned(32)));
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    const int64_t bb = type ? block_bytes(type) : 0;
+    for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+        int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+        if (!type)
+            for (int r = 0; r < GR; r++) dequant_span(wtype, p[r], k0, kc, buf + r * QKC);
+        for (int64_t k = 0; k < kc; k += 32) {
+            for (int r = 0; r < GR; r++) {
+                __m256 v[4];
+                if (type) {
+                    deq32(type, p[r] + (k0 + k) / 32 * bb, v);
+                } else {
+                    for (int i = 0; i < 4; i++) v[i] = _mm256_load_ps(buf + r * QKC + k + 8 * i);
+                }
+                for (int m = 0; m < M; m++) {
+                    const float *xm = x + m * ldx + k0 + k;
+                    __m256 a = acc[r][m];
+                    for (int i = 0; i < 4; i++) a = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xm + 8 * i), a);
+                    acc[r][m] = a;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]);
+}
+
+#define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, out)
+static void dot_group_any(int type, int M, const float *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
+                          float out[GR][3]) {
+    int fused = type == GT_Q4_0 ? 1 : type == GT_Q4_1 ? 2 : type == GT_Q8_0 ? 3 : 0;
+    switch (fused * 4 + M) {
+    case 5: DOT_CASE(GT_Q4_0, 1); break;
+    case 6: DOT_CASE(GT_Q4_0, 2); break;
+    case 7: DOT_CASE(GT_Q4_0, 3); break;
+    case 9: DOT_CASE(GT_Q4_1, 1); break;
+    case 10: DOT_CASE(GT_Q4_1, 2); break;
+    case 11: DOT_CASE(GT_Q4_1, 3); break;
+    case 13: DOT_CASE(GT_Q8_0, 1); break;
+    case 14: DOT_CASE(GT_Q8_0, 2); break;
+    case 15: DOT_CASE(GT_Q8_0, 3); break;
+    case 1: DOT_CASE(0, 1); break;
+    case 2: DOT_CASE(0, 2); break;
+    default: DOT_CASE(0, 3); break;
+    }
+}
+
+/* The dot path for 1..3 rows of x: GR weight rows per task. */
+static void linear_stored_dot_avx2(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                   int num_threads) {
+    int64_t groups = (N + GR - 1) / GR;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p[GR];
+        float out[GR][3];
+        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+        dot_group_any(type, (int)M, x, ldx, p, K, out);
+        for (int m = 0; m < M; m++)
+            for (int r = 0; r < nr; r++) y[m * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+    }
+}
+
+/* dst [8][ldd] = src [8][lds] transposed. */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_store_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_store_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+
+/* The panel path (4 rows of x and more): NR weight rows x QKC dequantized once into the k-major panel
  * layout of linear_packed_f32 and run through its micro-kernels for every MR rows of x. */
 static void linear_stored_panel(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                 const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
@@ -633,9 +753,12 @@ static void linear_stored_panel(const float *x, int64_t ldx, const uint8_t *w, i
             const float *b = bias ? bias + p * NR : 0;
             for (int64_t k0 = 0; k0 < K; k0 += QKC) {
                 int64_t kc = K - k0 < QKC ? K - k0 : QKC;
-                for (int j = 0; j < nr; j++) dequant_span(type, w + (p * NR + j) * row_bytes, k0, kc, tmp + j * QKC);
-                for (int64_t k = 0; k < kc; k++)
-                    for (int j = 0; j < NR; j++) buf[k * NR + j] = j < nr ? tmp[j * QKC + k] : 0.0f;
+                for (int j = 0; j < NR; j++)  // rows past N: row 0 again, its outputs never written
+                    dequant_span(type, w + (p * NR + (j < nr ? j : 0)) * row_bytes, k0, kc, tmp + j * QKC);
+                for (int64_t k = 0; k < kc; k += 8) {
+                    transpose8(tmp + k, QKC, buf + k * NR, NR);
+                    transpose8(tmp + 8 * QKC + k, QKC, buf + k * NR + 8, NR);
+                }
                 for (int64_t m = m0; m < mend; m += MR) {
                     int mr = (int)(mend - m < MR ? mend - m : MR);
                     MICROS[mr](x + m * ldx + k0, ldx, buf, kc, y + m * ldy + p * NR, ldy, nr, b, 0, k0 > 0);
@@ -650,8 +773,12 @@ static void linear_stored_panel(const float *x, int64_t ldx, const uint8_t *w, i
 void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
                    float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
 #if HAVE_AVX2
-    if (M > 1) {
+    if (M > 3) {
         linear_stored_panel(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+        return;
+    }
+    if (M >= 1 && K % 32 == 0) {
+        linear_stored_dot_avx2(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
         return;
     }
 #endif
