@@ -279,13 +279,13 @@ def linear_stored(
     bias: torch.Tensor | None,
     y: torch.Tensor,
 ) -> None:
-    """y [M, n] (a view with unit column stride) = x [M, k] float32 times the stored W [n, k], transposed
-    (+ bias): the blocks are dequantized inside the kernel."""
+    """y [M, n] = x [M, k] float32 times the stored W [n, k], transposed (+ bias): the blocks are dequantized
+    inside the kernel. x, y and data have unit column stride (y may be a column slice); the library is
+    loaded (stored.linear checks available() first)."""
     M, K = x.shape
     N = y.shape[1]
-    assert x.stride(1) == 1 and y.stride(1) == 1 and data.stride(1) == 1
     b = bias.data_ptr() if bias is not None else None
-    _load().linear_stored(
+    _lib.linear_stored(
         x.data_ptr(),
         x.stride(0),
         data.data_ptr(),

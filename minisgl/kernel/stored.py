@@ -72,17 +72,27 @@ class StoredWeight:
 
 
 def _kernel_ok(w: StoredWeight) -> bool:
-    return cpu.available() and all(cpu.stored_type_supported(p.ggml_type) for p in w.parts)
+    ok = getattr(w, "_kernel_ok", None)  # asked once per weight: a decode step makes ~120 calls
+    if ok is None:
+        ok = w._kernel_ok = cpu.available() and all(cpu.stored_type_supported(p.ggml_type) for p in w.parts)
+    return ok
 
 
 def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for float32 x [..., K] on a CPU."""
     if not _kernel_ok(w):
         return F.linear(x, w.dequantize(), bias)
+    if x.dtype != torch.float32:  # the kernels compute in float32: round once at the end
+        return linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
+    if len(w.parts) == 1:
+        cpu.linear_stored(x2, w.parts[0].ggml_type, w.parts[0].data, bias, y)
+        return y.view(*x.shape[:-1], w.shape[0])
     off = 0
     for p in w.parts:
         b = None if bias is None else bias[off : off + p.n].contiguous()
