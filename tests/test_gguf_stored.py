@@ -237,3 +237,25 @@ def test_default_model_stored_equals_hf_on_the_float32_conversion(default_model_
     for prompt, out in zip(QUICKSTART_PROMPTS, outs):
         ids = tokenizer(prompt)["input_ids"]
         assert_tokens_equal_hf(out["token_ids"], ref, ids, what=repr(prompt))
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_half_safetensors_stored_equals_hf(half, tmp_path):
+    """A bf16/fp16 checkpoint with weights_format="stored" keeps its matrices in half precision (half the
+    bytes) and gives Hugging Face float32's tokens on the same (exactly upcast) weights."""
+    from helpers import TINY_SPECS, build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model(TINY_SPECS["qwen3"], str(tmp_path / "f32"))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.to(getattr(torch, half)).save_pretrained(str(tmp_path / half))
+    ref = HFReference(str(tmp_path / half))
+    prompts = [random_prompt(n, 1000, seed=n) for n in (6, 30)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with make_llm(str(tmp_path / half), **tiny_llm_kwargs(weights_format="stored")) as llm:
+        engine = llm.scheduler.engine
+        w = engine.model.model.layers[0].mlp.down_proj.weight
+        assert isinstance(w, StoredWeight) and w.nbytes == w.shape[0] * w.shape[1] * 2
+        outs = llm.generate(prompts, sp)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"{half} stored")

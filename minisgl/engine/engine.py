@@ -17,7 +17,7 @@ from minisgl.distributed import init_process_group, set_tp_info
 from minisgl.kernel import StoredWeight
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
-from minisgl.models.gguf_weights import load_gguf
+from minisgl.models.gguf_weights import load_gguf, load_stored_safetensors
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, is_cuda, pick_device, set_cpu_threads, synchronize
@@ -169,10 +169,14 @@ class Engine:
                     "stored GGUF weights run on a CPU with one rank; use --weights-format float32"
                 )
             stored_bytes = load_gguf(self.model, gguf_file, keep_stored=keep, show_progress=show)
+        elif self.config.weights_format == "stored":  # bf16/fp16 matrices kept in half precision
+            if self.device.type != "cpu" or self.config.tp_info.size > 1:
+                raise ValueError("--weights-format stored runs on a CPU with one rank")
+            stored_bytes = load_stored_safetensors(self.model, self.model_dir, show)
         else:
             load_weights(self.model, iter_safetensors(self.model_dir, show), show)
         self.weight_bytes = _resident_weight_bytes(self.model)
-        kept = f", {stored_bytes / 2**20:.1f} MiB of them GGUF blocks as stored" if stored_bytes else ""
+        kept = f", {stored_bytes / 2**20:.1f} MiB of them as stored" if stored_bytes else ""
         logger.info(f"Weights: {self.weight_bytes / 2**20:.1f} MiB resident{kept}")
 
     def _plan_pages(self, attn_cfg: AttnConfig) -> int:

@@ -561,13 +561,26 @@ static void deq_q6_k(const uint8_t *src, int64_t n, float *out) {
     }
 }
 
+/* fp16 / bf16 (bf: 1) -> float32: exact widening. */
+static void deq_half(const uint8_t *src, int64_t n, float *out, int bf) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * i));
+        __m256 f = bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+        _mm256_storeu_ps(out + i, f);
+    }
+#endif
+    for (; i < n; i++) out[i] = bf ? bf16_to_f32(rd16(src + 2 * i)) : fp16_to_f32(rd16(src + 2 * i));
+}
+
 /* Elements [k0, k0 + n) of one stored row, k0 and n multiples of the block size. */
 static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, float *out) {
     const uint8_t *src = row + k0 / qk_of(type) * block_bytes(type);
     switch (type) {
     case GT_F32: memcpy(out, src, n * sizeof(float)); break;
-    case GT_F16: for (int64_t i = 0; i < n; i++) out[i] = fp16_to_f32(rd16(src + 2 * i)); break;
-    case GT_BF16: for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(rd16(src + 2 * i)); break;
+    case GT_F16: deq_half(src, n, out, 0); break;
+    case GT_BF16: deq_half(src, n, out, 1); break;
     case GT_Q4_0: deq_q4_0(src, n, out); break;
     case GT_Q4_1: deq_q4_1(src, n, out); break;
     case GT_Q8_0: deq_q8_0(src, n, out); break;

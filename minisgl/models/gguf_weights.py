@@ -1,6 +1,7 @@
-"""Loading a .gguf file's tensors into the model: as stored (each projection, the embedding and an untied
+"""Loading weights as stored: a .gguf file's tensors (each projection, the embedding and an untied
 LM head become a kernel.StoredWeight over the file's blocks; norms and biases are dequantized), or all
-dequantized into the float parameters (on a GPU).
+dequantized into the float parameters (on a GPU); and a safetensors checkpoint's bf16/fp16 matrices kept
+in half precision.
 
 llama.cpp's converter permutes the rows of a Llama q/k projection for its interleaved rotary; the rows
 are put back in Hugging Face's order here (whole rows of blocks move, nothing is requantized)."""
@@ -19,7 +20,7 @@ from minisgl.kernel import stored
 from minisgl.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minisgl.utils.gguf_file import field, open_gguf
 
-from .weights import merged_name
+from .weights import iter_safetensors, merged_name
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -103,16 +104,45 @@ def _keep_stored(module: nn.Module, attr: str, part: stored.StoredPart, name: st
 def load_gguf(model: nn.Module, path: str, keep_stored: bool, show_progress: bool = True) -> int:
     """Load the file's tensors into `model`; returns the bytes of the weights kept as stored."""
     cfg = model.config
+    tensors = iter_gguf(path, cfg.num_heads, cfg.num_kv_heads)
+    return _load_parts(
+        model, tqdm(tensors, desc="Loading GGUF", unit="tensor", disable=not show_progress), keep_stored
+    )
+
+
+def load_stored_safetensors(model: nn.Module, model_dir: str, show_progress: bool = True) -> int:
+    """A safetensors checkpoint with its bf16/fp16 matrices kept in half precision (upcast inside the
+    kernels); float32 tensors are copied as usual. Returns the bytes kept as stored."""
+    half = {torch.float16: 1, torch.bfloat16: 30}
+
+    def parts() -> Iterator[tuple[str, stored.StoredPart]]:
+        for name, t in iter_safetensors(model_dir, show_progress):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            t = t.contiguous()
+            k, n = t.shape[-1], t.numel() // t.shape[-1] if t.dim() > 1 else 1
+            if t.dtype in half:
+                yield name, stored.StoredPart(half[t.dtype], t.view(torch.uint8).reshape(n, -1), n, k)
+            else:
+                yield name, stored.StoredPart(0, t.float().view(torch.uint8).reshape(n, -1), n, k)
+
+    return _load_parts(model, parts(), keep_stored=True)
+
+
+def _load_parts(model: nn.Module, tensors: Iterator[tuple[str, stored.StoredPart]], keep_stored: bool) -> int:
+    """Matrices of linear/embedding layers become StoredWeights (keep_stored), the rest float parameters."""
+    cfg = model.config
     modules: dict[str, nn.Module] = dict(model.named_modules())
     pending: dict[str, dict[int, stored.StoredPart]] = {}
     loaded: set[str] = set()
-    tensors = iter_gguf(path, cfg.num_heads, cfg.num_kv_heads)
-    for hf, part in tqdm(tensors, desc="Loading GGUF", unit="tensor", disable=not show_progress):
+    for hf, part in tensors:
         name, idx = merged_name(hf)
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
         if module is None:
-            raise ValueError(f"GGUF tensor {hf!r} has no place in {type(model).__name__}")
+            raise ValueError(f"checkpoint tensor {hf!r} has no place in {type(model).__name__}")
         if keep_stored and _keep_stored(module, attr, part, hf):
             pending.setdefault(module_name, {})[idx] = part
         else:
@@ -129,7 +159,7 @@ def load_gguf(model: nn.Module, path: str, keep_stored: bool, show_progress: boo
     expected = {n for n, _ in model.named_parameters()} | {f"{m}.weight" for m in pending}
     missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
-        raise ValueError(f"the GGUF file lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
     return sum(p.data.numel() for parts in pending.values() for p in parts.values())
 
 
