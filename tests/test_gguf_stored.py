@@ -259,3 +259,21 @@ def test_half_safetensors_stored_equals_hf(half, tmp_path):
         outs = llm.generate(prompts, sp)
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"{half} stored")
+
+
+def test_gguf_dequantized_into_float_parameters_equals_the_reference(tmp_path):
+    """Where stored weights do not serve (a GPU, TP), the file is dequantized into the float parameters:
+    exactly the weights Hugging Face holds (q/k rows back in HF order, QKV and gate|up merged)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.models import ModelConfig, create_model
+    from minisgl.models.gguf_weights import load_gguf
+
+    gguf_path, hf_dir = write_tiny_gguf("llama", str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    model = create_model(ModelConfig.from_hf(AutoConfig.from_pretrained(hf_dir)))
+    assert load_gguf(model, gguf_path, keep_stored=False, show_progress=False) == 0
+    attn = model.model.layers[1].self_attn.qkv_proj.weight
+    expected = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(attn, expected)
+    assert torch.equal(model.lm_head.weight, hf["model.embed_tokens.weight"])

@@ -163,7 +163,9 @@ class Engine:
         gguf_file = os.path.join(self.model_dir, GGUF_LINK)
         stored_bytes = 0
         if os.path.exists(gguf_file):  # a .gguf file prepared to be read as stored (utils/gguf_file.py)
-            keep = self.device.type == "cpu" and self.config.weights_format != "float32"
+            # auto: as stored on one CPU rank; on a GPU or with TP, dequantized into the float parameters
+            keep = self.device.type == "cpu" and self.config.tp_info.size == 1
+            keep = keep and self.config.weights_format != "float32"
             if self.config.weights_format == "stored" and (not keep or self.config.tp_info.size > 1):
                 raise ValueError(
                     "stored GGUF weights run on a CPU with one rank; use --weights-format float32"
