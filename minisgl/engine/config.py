@@ -96,6 +96,12 @@ class EngineConfig:
     dist_timeout: float = option(
         120.0, help="seconds to wait for every rank to join, and for one collective", min=0.1
     )
+    weights_format: str = option(
+        "auto",
+        help="stored: a .gguf file's blocks (or bf16/fp16 weights) kept as they are on a CPU; float32: "
+        "converted (auto: stored for a .gguf on a CPU)",
+        choices=["auto", "stored", "float32"],
+    )
     # set per process by the launcher (or LLM), not options
     tp_rank: int = 0
     dist_init_method: str = "tcp://127.0.0.1:29517"

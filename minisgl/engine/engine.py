@@ -5,6 +5,7 @@ It computes; it never decides. The scheduler hands it a prepared Batch and gets 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,12 +14,15 @@ import torch
 from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
+from minisgl.kernel import StoredWeight
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
+from minisgl.models.gguf_weights import load_gguf, load_stored_safetensors
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.moe import create_moe_backend
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, is_cuda, pick_device, set_cpu_threads, synchronize
+from minisgl.utils.gguf_file import GGUF_LINK
 from minisgl.utils.hf import load_hf_config, resolve_model_path
 
 from .config import EngineConfig
@@ -48,6 +52,21 @@ def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def _resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights: float parameters and stored weights, each counted once (tied)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        for w in list(module._parameters.values()) + [module.__dict__.get("weight")]:
+            if w is None or id(w) in seen:
+                continue
+            seen.add(id(w))
+            if isinstance(w, StoredWeight):
+                total += w.nbytes
+            elif isinstance(w, torch.Tensor):
+                total += w.numel() * w.element_size()
+    return total
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -62,7 +81,7 @@ class Engine:
             threads = set_cpu_threads(tp.size // config.nnodes)
             logger.info(f"CPU engine: {threads} threads")
 
-        self.model_dir = resolve_model_path(config.model_path)
+        self.model_dir = resolve_model_path(config.model_path, config.weights_format)
         hf_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config)
         self.model_config.check_tp(tp.size, tp.ep_size)  # on every rank, before any rank waits for the others
@@ -155,7 +174,28 @@ class Engine:
         if self.config.load_format not in ("auto", "safetensors"):
             raise ValueError(f"unknown load_format {self.config.load_format!r} (auto, safetensors, dummy)")
         show = self.config.show_progress and self.config.tp_info.is_primary()
-        load_weights(self.model, iter_safetensors(self.model_dir, show), show)
+        gguf_file = os.path.join(self.model_dir, GGUF_LINK)
+        stored_bytes = 0
+        if os.path.exists(gguf_file):  # a .gguf file prepared to be read as stored (utils/gguf_file.py)
+            # auto: as stored on one CPU rank; on a GPU or with TP, dequantized into the float parameters
+            keep = self.device.type == "cpu" and self.config.tp_info.size == 1
+            keep = keep and self.config.weights_format != "float32"
+            if self.config.weights_format == "stored" and (not keep or self.config.tp_info.size > 1):
+                raise ValueError(
+                    "stored GGUF weights run on a CPU with one rank; use --weights-format float32"
+                )
+            stored_bytes = load_gguf(self.model, gguf_file, keep_stored=keep, show_progress=show)
+        elif self.config.weights_format == "stored":  # bf16/fp16 matrices kept in half precision
+            if self.device.type != "cpu" or self.config.tp_info.size > 1:
+                raise ValueError("--weights-format stored runs on a CPU with one rank")
+            if self.model_config.moe is not None:
+                raise ValueError("--weights-format stored does not hold MoE experts; use float32")
+            stored_bytes = load_stored_safetensors(self.model, self.model_dir, show)
+        else:
+            load_weights(self.model, iter_safetensors(self.model_dir, show), show)
+        self.weight_bytes = _resident_weight_bytes(self.model)
+        kept = f", {stored_bytes / 2**20:.1f} MiB of them as stored" if stored_bytes else ""
+        logger.info(f"Weights: {self.weight_bytes / 2**20:.1f} MiB resident{kept}")
 
     def _plan_pages(self, attn_cfg: AttnConfig) -> int:
         cfg, page = self.model_config, self.config.page_size

@@ -12,8 +12,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import cpu
+from . import cpu, stored
 from . import reference as ref
+from .stored import StoredWeight
 
 _TRITON_ENABLED = True
 _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
@@ -72,7 +73,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both beat
     MKL's GEMM at decode's row counts (the wide LM head most of all; docs/BENCHMARKS.md). On a
     CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once.
-    x may be a SplitAttention (decode attention not merged yet)."""
+    x may be a SplitAttention (decode attention not merged yet); weight may be a StoredWeight (GGUF blocks
+    or half-precision rows, dequantized inside the C kernel: kernel/stored.py)."""
+    if isinstance(weight, StoredWeight):
+        return stored.linear(x, weight, bias)
     if isinstance(x, SplitAttention):
         ops = _triton_kernels()
         if ops is not None and ops.gemv_merge_fits(x, weight):

@@ -92,6 +92,9 @@ def _load() -> ctypes.CDLL | None:
     lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
     lib.rotary_neox_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     lib.store_kv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
+    lib.dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, ptr, i32]
+    lib.linear_stored.argtypes = [ptr, i64, ptr, i32, i64, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.stored_type_supported.argtypes = [i32]
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
         lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
@@ -247,4 +250,52 @@ def store_kv(k_cache, v_cache, out_loc: torch.Tensor, k: torch.Tensor, v: torch.
         v.stride(0),
         T,
         H * D,
+    )
+
+
+def stored_type_supported(ggml_type: int) -> bool:
+    """Whether the C kernels read this GGUF block type (kernel/stored.py lists the ones they do)."""
+    lib = _load()
+    return lib is not None and bool(lib.stored_type_supported(ggml_type))
+
+
+def dequant_rows(
+    ggml_type: int, data: torch.Tensor, k: int, rows: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """Rows `rows` (int64; None: rows 0..n-1) of a stored weight [*, k] (data: uint8 [*, row_bytes]) as
+    float32 [n, k], dequantized exactly."""
+    out = torch.empty(n, k, dtype=torch.float32)
+    ptr = None if rows is None else rows.data_ptr()
+    _load().dequant_rows(
+        ggml_type, data.data_ptr(), data.stride(0), ptr, n, k, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def linear_stored(
+    x: torch.Tensor,
+    ggml_type: int,
+    data: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+) -> None:
+    """y [M, n] = x [M, k] float32 times the stored W [n, k], transposed (+ bias): the blocks are dequantized
+    inside the kernel. x, y and data have unit column stride (y may be a column slice); the library is
+    loaded (stored.linear checks available() first)."""
+    M, K = x.shape
+    N = y.shape[1]
+    b = bias.data_ptr() if bias is not None else None
+    _lib.linear_stored(
+        x.data_ptr(),
+        x.stride(0),
+        data.data_ptr(),
+        ggml_type,
+        data.stride(0),
+        b,
+        y.data_ptr(),
+        y.stride(0),
+        M,
+        N,
+        K,
+        torch.get_num_threads(),
     )

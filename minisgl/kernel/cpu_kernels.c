@@ -386,3 +386,421 @@ void store_kv_f32(float *k_cache, float *v_cache, const int64_t *loc, const floa
         memcpy(v_cache + loc[t] * row, v + t * v_stride, row * sizeof(float));
     }
 }
+
+/* ---- GGUF weights as stored: block formats dequantized inside the kernels -------------------------------
+ * A stored weight [N, K] is N rows of K/QK blocks (the file's bytes, row-major). Each block is dequantized
+ * with the reference's arithmetic: every product of a scale and a quant is exact in float32 (an fp16
+ * scale has 11 significant bits, the quants and sub-scales at most 13), so the one rounding per weight is
+ * the final add of Q4_1/Q4_K's minimum and the dequantized values equal gguf.quants.dequantize bit for bit,
+ * whatever the compiler contracts. The products with the activations then accumulate in float32: the
+ * result is the float32 GEMM on the dequantized weights up to summation order. */
+
+enum { GT_F32 = 0, GT_F16 = 1, GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q8_0 = 8, GT_Q4_K = 12, GT_Q6_K = 14, GT_BF16 = 30 };
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000 | (man << 13);  // inf / nan
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static int64_t qk_of(int type) {
+    return type == GT_Q4_K || type == GT_Q6_K ? 256 : (type == GT_F32 || type == GT_F16 || type == GT_BF16) ? 1 : 32;
+}
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case GT_F32: return 4;
+    case GT_F16: case GT_BF16: return 2;
+    case GT_Q4_0: return 18;
+    case GT_Q4_1: return 20;
+    case GT_Q8_0: return 34;
+    case GT_Q4_K: return 144;
+    case GT_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static void deq_q4_0(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 32, src += 18, out += 32) {
+        const float d = fp16_to_f32(rd16(src));
+        const uint8_t *qs = src + 2;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
+        __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+        __m256 dv = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
+        __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_sub_ps(v0, eight), dv));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_sub_ps(v1, eight), dv));
+        _mm256_storeu_ps(out + 16, _mm256_mul_ps(_mm256_sub_ps(v2, eight), dv));
+        _mm256_storeu_ps(out + 24, _mm256_mul_ps(_mm256_sub_ps(v3, eight), dv));
+#else
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)((qs[j] & 0xf) - 8) * d;
+            out[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+        }
+#endif
+    }
+}
+
+static void deq_q4_1(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 32, src += 20, out += 32) {
+        const float d = fp16_to_f32(rd16(src)), m = fp16_to_f32(rd16(src + 2));
+        const uint8_t *qs = src + 4;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
+        __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+        __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+        // d * q is exact, so the fused multiply-add rounds exactly as the reference's multiply, then add
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv));
+        _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv));
+        _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv));
+#else
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)(qs[j] & 0xf) * d + m;
+            out[j + 16] = (float)(qs[j] >> 4) * d + m;
+        }
+#endif
+    }
+}
+
+static void deq_q8_0(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 32, src += 34, out += 32) {
+        const float d = fp16_to_f32(rd16(src));
+        const int8_t *qs = (const int8_t *)(src + 2);
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 dv = _mm256_set1_ps(d);
+        __m128i q0 = _mm_loadu_si128((const __m128i *)qs), q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
+        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), dv));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), dv));
+        _mm256_storeu_ps(out + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), dv));
+        _mm256_storeu_ps(out + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), dv));
+#else
+        for (int j = 0; j < 32; j++) out[j] = (float)qs[j] * d;
+#endif
+    }
+}
+
+/* Q4_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes (ggml's get_scale_min_k4). */
+static void deq_q4_k(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 256, src += 144, out += 256) {
+        const float d = fp16_to_f32(rd16(src)), dmin = fp16_to_f32(rd16(src + 2));
+        const uint8_t *sc = src + 4, *qs = src + 16;
+        for (int j = 0; j < 8; j++) {
+            int s, m;
+            if (j < 4) {
+                s = sc[j] & 63;
+                m = sc[j + 4] & 63;
+            } else {
+                s = (sc[j + 4] & 0xf) | ((sc[j - 4] >> 6) << 4);
+                m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            }
+            const float dl = d * (float)s, ml = dmin * (float)m;
+            const uint8_t *q = qs + (j / 2) * 32;
+            const int shift = (j & 1) * 4;
+            float *o = out + j * 32;
+            for (int l = 0; l < 32; l++) o[l] = dl * (float)((q[l] >> shift) & 0xf) - ml;
+        }
+    }
+}
+
+/* Q6_K: ql [128] low nibbles, qh [64] high 2 bits, 16 int8 scales of 16 values each, then d. */
+static void deq_q6_k(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 256, src += 210, out += 256) {
+        const uint8_t *ql = src, *qh = src + 128;
+        const int8_t *sc = (const int8_t *)(src + 192);
+        const float d = fp16_to_f32(rd16(src + 208));
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8) {
+            float *o = out + h * 128;
+            float s[8];
+            for (int i = 0; i < 8; i++) s[i] = d * (float)sc[i];
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                o[l] = s[is] * (float)(((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = s[is + 2] * (float)(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = s[is + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = s[is + 6] * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+    }
+}
+
+/* fp16 / bf16 (bf: 1) -> float32: exact widening. */
+static void deq_half(const uint8_t *src, int64_t n, float *out, int bf) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * i));
+        __m256 f = bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+        _mm256_storeu_ps(out + i, f);
+    }
+#endif
+    for (; i < n; i++) out[i] = bf ? bf16_to_f32(rd16(src + 2 * i)) : fp16_to_f32(rd16(src + 2 * i));
+}
+
+/* Elements [k0, k0 + n) of one stored row, k0 and n multiples of the block size. */
+static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, float *out) {
+    const uint8_t *src = row + k0 / qk_of(type) * block_bytes(type);
+    switch (type) {
+    case GT_F32: memcpy(out, src, n * sizeof(float)); break;
+    case GT_F16: deq_half(src, n, out, 0); break;
+    case GT_BF16: deq_half(src, n, out, 1); break;
+    case GT_Q4_0: deq_q4_0(src, n, out); break;
+    case GT_Q4_1: deq_q4_1(src, n, out); break;
+    case GT_Q8_0: deq_q8_0(src, n, out); break;
+    case GT_Q4_K: deq_q4_k(src, n, out); break;
+    case GT_Q6_K: deq_q6_k(src, n, out); break;
+    default: break;
+    }
+}
+
+/* Whether this build knows the type (0: the caller refuses it). */
+int stored_type_supported(int type) { return block_bytes(type) > 0; }
+
+/* out[i] = row rows[i] of the stored [*, K] weight (rows NULL: rows 0..n-1): embedding lookups. */
+void dequant_rows(int type, const uint8_t *w, int64_t row_bytes, const int64_t *rows, int64_t n, int64_t K,
+                  float *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n * K > 65536)
+    for (int64_t i = 0; i < n; i++) dequant_span(type, w + (rows ? rows[i] : i) * row_bytes, 0, K, out + i * K);
+}
+
+#define QKC 256 /* K elements dequantized at a time: a multiple of every block size */
+#define GR 4    /* weight rows per task on the dot path */
+#define PF_AHEAD 8 /* groups ahead that the dot path prefetches */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;  // vectorised by the compiler (-fassociative-math)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The dot path (one activation row, or any row count without AVX2): GR weight rows at a time, QKC of K
+ * dequantized into L1 and reused by every activation row. */
+static void linear_stored_dot(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                              const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                              int num_threads) {
+    int64_t groups = (N + GR - 1) / GR;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        float buf[GR * QKC] __attribute__((aligned(32)));
+        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+        for (int64_t m = 0; m < M; m++)
+            for (int r = 0; r < nr; r++) y[m * ldy + g * GR + r] = bias ? bias[g * GR + r] : 0.0f;
+        for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+            int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+            for (int r = 0; r < nr; r++) dequant_span(type, w + (g * GR + r) * row_bytes, k0, kc, buf + r * QKC);
+            for (int64_t m = 0; m < M; m++) {
+                const float *xr = x + m * ldx + k0;
+                float *yr = y + m * ldy + g * GR;
+                for (int r = 0; r < nr; r++) yr[r] += dot_f32(buf + r * QKC, xr, kc);
+            }
+        }
+    }
+}
+
+#if HAVE_AVX2
+/* One block of 32 dequantized into four vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. */
+static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, __m256 v[4]) {
+    const __m256 d = _mm256_set1_ps(fp16_to_f32(rd16(src)));
+    // zero/sign-extending loads straight from memory: one shuffle per 8 quants (the port that limits this)
+    if (type == GT_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * i)))), d);
+        return;
+    }
+    const uint8_t *qs = src + (type == GT_Q4_1 ? 4 : 2);
+    const __m256i m4 = _mm256_set1_epi32(0x0f);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m4)),
+                   _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+    if (type == GT_Q4_1) {  // q * d is exact: the fused multiply-add rounds once, like the reference's add
+        const __m256 m = _mm256_set1_ps(fp16_to_f32(rd16(src + 2)));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_fmadd_ps(f[i], d, m);
+    } else {
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(_mm256_sub_ps(f[i], eight), d);
+    }
+}
+
+/* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
+ * dequantized into registers once and multiplied into all M rows (4M accumulators). type 0 (any type)
+ * reads rows already dequantized into buf [GR][QKC] a chunk at a time instead. */
+static inline __attribute__((always_inline)) void dot_group(const int type, const int M, const float *x,
+                                                            int64_t ldx, const uint8_t *const p[GR], int wtype,
+                                                            int64_t K, const uint8_t *pf, int64_t pf_len,
+                                                            float out[GR][3]) {
+    __m256 acc[GR][3];
+    float buf[GR * QKC] __attribute__((aligned(32)));
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    const int64_t bb = type ? block_bytes(type) : 0;
+    for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+        int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+        if (!type)
+            for (int r = 0; r < GR; r++) dequant_span(wtype, p[r], k0, kc, buf + r * QKC);
+        for (int64_t k = 0; k < kc; k += 32) {
+            for (int r = 0; r < GR; r++) {
+                __m256 v[4];
+                if (type) {
+                    // one line of a later group per block: a core's own prefetchers keep too few rows in
+                    // flight for this rate (measured: 5 GB/s without, on the 2-core EPYC)
+                    int64_t line = ((k0 + k) / 32 * GR + r) * 64;
+                    if (line < pf_len) _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+                    deq32(type, p[r] + (k0 + k) / 32 * bb, v);
+                } else {
+                    for (int i = 0; i < 4; i++) v[i] = _mm256_load_ps(buf + r * QKC + k + 8 * i);
+                }
+                for (int m = 0; m < M; m++) {
+                    const float *xm = x + m * ldx + k0 + k;
+                    __m256 a = acc[r][m];
+                    for (int i = 0; i < 4; i++) a = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xm + 8 * i), a);
+                    acc[r][m] = a;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]);
+}
+
+#define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
+static void dot_group_any(int type, int M, const float *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
+                          const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    int fused = type == GT_Q4_0 ? 1 : type == GT_Q4_1 ? 2 : type == GT_Q8_0 ? 3 : 0;
+    switch (fused * 4 + M) {
+    case 5: DOT_CASE(GT_Q4_0, 1); break;
+    case 6: DOT_CASE(GT_Q4_0, 2); break;
+    case 7: DOT_CASE(GT_Q4_0, 3); break;
+    case 9: DOT_CASE(GT_Q4_1, 1); break;
+    case 10: DOT_CASE(GT_Q4_1, 2); break;
+    case 11: DOT_CASE(GT_Q4_1, 3); break;
+    case 13: DOT_CASE(GT_Q8_0, 1); break;
+    case 14: DOT_CASE(GT_Q8_0, 2); break;
+    case 15: DOT_CASE(GT_Q8_0, 3); break;
+    case 1: DOT_CASE(0, 1); break;
+    case 2: DOT_CASE(0, 2); break;
+    default: DOT_CASE(0, 3); break;
+    }
+}
+
+/* The dot path for 1..3 rows of x: GR weight rows per task. */
+static void linear_stored_dot_avx2(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                   int num_threads) {
+    int64_t groups = (N + GR - 1) / GR;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p[GR];
+        float out[GR][3];
+        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+        // the group PF_AHEAD groups on (its rows are contiguous), fetched while this one is computed
+        dot_group_any(type, (int)M, x, ldx, p, K, w + (g + PF_AHEAD) * GR * row_bytes, GR * row_bytes, out);
+        for (int m = 0; m < M; m++)
+            for (int r = 0; r < nr; r++) y[m * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+    }
+}
+
+/* dst [8][ldd] = src [8][lds] transposed. */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_store_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_store_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+
+/* The panel path (4 rows of x and more): NR weight rows x QKC dequantized once into the k-major panel
+ * layout of linear_packed_f32 and run through its micro-kernels for every MR rows of x. */
+static void linear_stored_panel(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                                int num_threads) {
+    int64_t panels = (N + NR - 1) / NR;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        int64_t mend = m0 + MB < M ? m0 + MB : M;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t p = 0; p < panels; p++) {
+            float tmp[NR * QKC] __attribute__((aligned(32))), buf[QKC * NR] __attribute__((aligned(32)));
+            int nr = (int)(N - p * NR < NR ? N - p * NR : NR);
+            const float *b = bias ? bias + p * NR : 0;
+            for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+                int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+                for (int j = 0; j < NR; j++)  // rows past N: row 0 again, its outputs never written
+                    dequant_span(type, w + (p * NR + (j < nr ? j : 0)) * row_bytes, k0, kc, tmp + j * QKC);
+                for (int64_t k = 0; k < kc; k += 8) {
+                    transpose8(tmp + k, QKC, buf + k * NR, NR);
+                    transpose8(tmp + 8 * QKC + k, QKC, buf + k * NR + 8, NR);
+                }
+                for (int64_t m = m0; m < mend; m += MR) {
+                    int mr = (int)(mend - m < MR ? mend - m : MR);
+                    MICROS[mr](x + m * ldx + k0, ldx, buf, kc, y + m * ldy + p * NR, ldy, nr, b, 0, k0 > 0);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the stored W [N, K], transposed (+ bias). */
+void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
+                   float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+#if HAVE_AVX2
+    if (M > 3) {
+        linear_stored_panel(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+        return;
+    }
+    if (M >= 1 && K % 32 == 0) {
+        linear_stored_dot_avx2(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+        return;
+    }
+#endif
+    linear_stored_dot(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+}

@@ -28,6 +28,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[:rows].copy_(loaded[self.start : self.end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, kernel.StoredWeight):  # one rank only: rows dequantized on lookup
+            return kernel.stored.embedding(input_ids, self.weight)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start

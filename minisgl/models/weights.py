@@ -22,6 +22,14 @@ _MERGED = {
 }
 
 
+def merged_name(name: str) -> tuple[str, int]:
+    """An HF tensor name -> (the name of the parameter it is loaded into, its part index there)."""
+    for frag, (merged, idx) in _MERGED.items():
+        if frag in name:
+            return name.replace(frag, merged), idx
+    return name, 0
+
+
 def iter_safetensors(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -58,11 +66,7 @@ def load_weights(
                 loaded.add(name)
                 bar.update(1)
             continue
-        part = 0
-        for frag, (merged, idx) in _MERGED.items():
-            if frag in name:
-                name, part = name.replace(frag, merged), idx
-                break
+        name, part = merged_name(name)
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
         if module is None or not hasattr(module, "load_shard"):

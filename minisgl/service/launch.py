@@ -434,7 +434,7 @@ def _prepare(args: ServerArgs) -> tuple[ServerArgs, socket.socket | None]:
     sock = None if args.shell or args.node_rank > 0 else bind_port(args.host, args.port)
     try:
         try:
-            args = replace(args, model_path=resolve_model_path(args.model_path))
+            args = replace(args, model_path=resolve_model_path(args.model_path, args.weights_format))
         except ValueError as e:  # a path that does not exist, a hub id that does not resolve
             raise StartupError(str(e)) from None
         check_model(args.model_path, args.tp_size, args.ep_size)

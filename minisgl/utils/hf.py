@@ -113,8 +113,10 @@ def _save_converted(model: Any, tok: Any, out: str) -> None:
     tok.save_pretrained(out)
 
 
-def resolve_model_path(model: str | None) -> str:
-    """Return a local HF directory for `model` (None = the embedded default)."""
+def resolve_model_path(model: str | None, weights_format: str = "float32") -> str:
+    """Return a local HF directory for `model` (None = the embedded default). A .gguf file becomes, with
+    weights_format float32, today's converted safetensors; otherwise a directory of its config and
+    tokenizer that links to the file, whose weights the engine then reads as stored."""
     if model is None or model == "":
         model = default_model_path()
     if os.path.isfile(model):
@@ -123,7 +125,11 @@ def resolve_model_path(model: str | None) -> str:
                 f"model path {model!r} is a file but not a .gguf file; "
                 "pass a Hugging Face model directory, a hub id or a .gguf file"
             )
-        return convert_gguf(model)
+        if weights_format == "float32":
+            return convert_gguf(model)
+        from .gguf_file import prepare_stored
+
+        return prepare_stored(model, _gguf_cache_dir(model) + "-stored")
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model directory {model!r} has no config.json")

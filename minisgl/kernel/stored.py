@@ -1,0 +1,174 @@
+"""Weights kept as stored in a GGUF file (quantized blocks, or half precision) and multiplied by the C
+kernels of kernel/cpu.py, which dequantize each block in registers: the bytes read per decode step are
+the file's (Q4_1: 0.625 byte a weight instead of float32's 4).
+
+`dequantize` is the torch reference (the same arithmetic as gguf.quants, tested against it); the C
+kernels must equal it, and callers fall back to it where the kernels are not built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu
+
+# GGML type id -> (name, elements per block, bytes per block)
+STORED_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+TYPE_IDS = {name: t for t, (name, _, _) in STORED_TYPES.items()}
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    _, qk, nbytes = STORED_TYPES[ggml_type]
+    if k % qk:
+        raise ValueError(f"a {STORED_TYPES[ggml_type][0]} row of {k} values is not whole blocks of {qk}")
+    return k // qk * nbytes
+
+
+@dataclass
+class StoredPart:
+    """Rows [n, k] of one type: `data` is uint8 [n, row_bytes] (the file's blocks, row-major)."""
+
+    ggml_type: int
+    data: torch.Tensor
+    n: int
+    k: int
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.ggml_type, self.data, self.k)
+
+
+class StoredWeight:
+    """A weight matrix [N, K] held as stored: one part, or several stacked along N (a merged QKV whose
+    parts differ in type); used in place of a float Parameter by the linear and embedding layers."""
+
+    def __init__(self, parts: list[StoredPart]) -> None:
+        assert parts and all(p.k == parts[0].k for p in parts)
+        self.parts = parts
+        self.shape = torch.Size([sum(p.n for p in parts), parts[0].k])
+        self.dtype = torch.float32  # what it computes in
+        self.device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def __repr__(self) -> str:
+        types = "+".join(STORED_TYPES[p.ggml_type][0] for p in self.parts)
+        return f"StoredWeight({types}, {tuple(self.shape)})"
+
+
+def _kernel_ok(w: StoredWeight) -> bool:
+    ok = getattr(w, "_kernel_ok", None)  # asked once per weight: a decode step makes ~120 calls
+    if ok is None:
+        ok = w._kernel_ok = cpu.available() and all(cpu.stored_type_supported(p.ggml_type) for p in w.parts)
+    return ok
+
+
+def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) for float32 x [..., K] on a CPU."""
+    if not _kernel_ok(w):
+        return F.linear(x, w.dequantize(), bias)
+    if x.dtype != torch.float32:  # the kernels compute in float32: round once at the end
+        return linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
+    if len(w.parts) == 1:
+        cpu.linear_stored(x2, w.parts[0].ggml_type, w.parts[0].data, bias, y)
+        return y.view(*x.shape[:-1], w.shape[0])
+    off = 0
+    for p in w.parts:
+        b = None if bias is None else bias[off : off + p.n].contiguous()
+        cpu.linear_stored(x2, p.ggml_type, p.data, b, y[:, off : off + p.n])
+        off += p.n
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def embedding(ids: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    """Rows `ids` of W, dequantized on lookup."""
+    if len(w.parts) != 1 or not _kernel_ok(w):
+        return F.embedding(ids, w.dequantize())
+    p = w.parts[0]
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= p.n):
+        raise IndexError(f"token id out of range of the {p.n}-row embedding")
+    out = cpu.dequant_rows(p.ggml_type, p.data, p.k, flat, flat.numel())
+    return out.view(*ids.shape, p.k)
+
+
+# ---- the reference dequantization (gguf.quants' arithmetic, in torch) -----------------------------------
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] little-endian halves -> float32 [...]."""
+    return b.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16*j] bytes -> [..., 32*j] values: each run of bytes' low nibbles, then its high nibbles."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 packed bytes -> 8 six-bit scales and 8 six-bit minimums (ggml's get_scale_min_k4)."""
+    sc = sc.to(torch.int32)
+    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scales = torch.cat([d & 63, (md & 0x0F) | ((d >> 6) << 4)], dim=-1)
+    mins = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _deq_blocks(ggml_type: int, b: torch.Tensor) -> torch.Tensor:
+    """Blocks uint8 [nb, bytes] -> float32 [nb, qk]."""
+    nb = b.shape[0]
+    if ggml_type == 2:  # Q4_0
+        return _f16(b[:, 0:2]).unsqueeze(1) * (_nibbles(b[:, 2:]).to(torch.int32) - 8).float()
+    if ggml_type == 3:  # Q4_1
+        d, m = _f16(b[:, 0:2]).unsqueeze(1), _f16(b[:, 2:4]).unsqueeze(1)
+        return d * _nibbles(b[:, 4:]).float() + m
+    if ggml_type == 8:  # Q8_0
+        return _f16(b[:, 0:2]).unsqueeze(1) * b[:, 2:].contiguous().view(torch.int8).float()
+    if ggml_type == 12:  # Q4_K: 4 runs of 32 bytes, each two sub-blocks of 32
+        d, dmin = _f16(b[:, 0:2]).unsqueeze(1), _f16(b[:, 2:4]).unsqueeze(1)
+        scales, mins = _scale_min_k4(b[:, 4:16])
+        q = _nibbles(b[:, 16:].reshape(nb, 4, 32)).reshape(nb, 8, 32).float()
+        return ((d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)).reshape(nb, 256)
+    if ggml_type == 14:  # Q6_K: two halves of 128 values
+        ql, qh = b[:, 0:128].reshape(nb, 2, 64), b[:, 128:192].reshape(nb, 2, 1, 32).to(torch.int32)
+        lo = torch.cat([ql & 0x0F, ql >> 4], dim=-1).reshape(nb, 2, 4, 32).to(torch.int32)
+        hi = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 4, 1)) & 3
+        q = ((lo | (hi << 4)) - 32).reshape(nb, 16, 16).float()
+        scales = b[:, 192:208].contiguous().view(torch.int8).float()
+        d = _f16(b[:, 208:210]).unsqueeze(1)
+        return ((d * scales).unsqueeze(-1) * q).reshape(nb, 256)
+    raise ValueError(f"no reference dequantization for GGML type {ggml_type}")
+
+
+def dequantize(ggml_type: int, data: torch.Tensor, k: int) -> torch.Tensor:
+    """Stored rows uint8 [n, row_bytes] -> float32 [n, k]."""
+    n = data.shape[0]
+    if ggml_type == 0:
+        return data.contiguous().view(torch.float32).reshape(n, k).clone()
+    if ggml_type in (1, 30):
+        half = torch.float16 if ggml_type == 1 else torch.bfloat16
+        return data.contiguous().view(half).reshape(n, k).float()
+    _, qk, nbytes = STORED_TYPES[ggml_type]
+    blocks = data.contiguous().reshape(n * (k // qk), nbytes)
+    return _deq_blocks(ggml_type, blocks).reshape(n, k)

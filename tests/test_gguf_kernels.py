@@ -1,0 +1,89 @@
+"""Stored GGUF weights: the torch reference dequantization equals gguf.quants.dequantize bit for bit, and
+the C kernels (embedding rows, the one-row dot path, the several-row panel path) equal that reference
+dequantization followed by a float32 matmul, up to summation order, on random blocks at odd shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel import stored
+
+gguf = pytest.importorskip("gguf")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
+
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16", "BF16", "F32"]
+# where each type keeps its fp16 scales (byte offsets): random bytes there would be inf/nan or huge
+_SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def random_rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """n rows of k values of type `name` as stored bytes: random quants, scales of about 1/64."""
+    rng = np.random.default_rng(seed)
+    t = stored.TYPE_IDS[name]
+    _, qk, nbytes = stored.STORED_TYPES[t]
+    if name in ("F16", "BF16", "F32"):
+        vals = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+        dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[name]
+        return vals.to(dtype).view(torch.uint8).reshape(n, -1).clone()
+    blocks = rng.integers(0, 256, size=(n * k // qk, nbytes), dtype=np.uint8)
+    for off in _SCALE_AT[name]:
+        scales = (rng.standard_normal(blocks.shape[0]) / 64).astype(np.float16)
+        blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(n, k // qk * nbytes))
+
+
+@pytest.mark.parametrize("name", [n for n in BLOCK_TYPES if n not in ("F32",)])
+def test_reference_dequantize_equals_gguf(name):
+    n, k = 7, 512
+    data = random_rows(name, n, k, seed=1)
+    expected = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[name])
+    got = stored.dequantize(stored.TYPE_IDS[name], data, k)
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_embedding_rows_are_the_reference_dequantization(name):
+    n, k = 37, 512
+    data = random_rows(name, n, k, seed=2)
+    w = stored.StoredWeight([stored.StoredPart(stored.TYPE_IDS[name], data, n, k)])
+    ids = torch.tensor([[3, 0, 36], [36, 5, 5]])
+    expected = stored.dequantize(stored.TYPE_IDS[name], data, k)[ids]
+    assert torch.equal(stored.embedding(ids, w), expected)  # exact: no arithmetic beyond the reference's
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])  # 1-3: the dot path, 4+: the panel path
+@pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
+def test_linear_equals_reference_matmul(name, rows, n):
+    k = 768 if name in ("Q4_K", "Q6_K") else 352  # 352: a last K chunk shorter than 256
+    t = stored.TYPE_IDS[name]
+    data = random_rows(name, n, k, seed=rows * 10 + n)
+    w = stored.StoredWeight([stored.StoredPart(t, data, n, k)])
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    dense = stored.dequantize(t, data, k)
+    expected = (x.double() @ dense.double().T + bias.double()).float()
+    got = stored.linear(x, w, bias)
+    # float32 sums of k products in another order: a few ulps of the sum of |products|
+    tol = 1e-6 * k * (x.abs().double() @ dense.abs().double().T).max().item() / k * 8
+    torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5)
+
+
+@needs_kernels
+def test_merged_parts_of_different_types_and_strided_rows():
+    """A merged QKV whose parts differ in type writes each part into its columns; x may be a row view."""
+    k = 512
+    parts = [
+        stored.StoredPart(stored.TYPE_IDS[name], random_rows(name, n, k, seed=i), n, k)
+        for i, (name, n) in enumerate([("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 8)])
+    ]
+    w = stored.StoredWeight(parts)
+    x = torch.randn(3, 2 * k)[:, :k]  # row stride 2k
+    expected = x.double() @ w.dequantize().double().T
+    torch.testing.assert_close(stored.linear(x, w).double(), expected, atol=1e-3, rtol=1e-5)

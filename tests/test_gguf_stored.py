@@ -1,0 +1,279 @@
+"""GGUF files read as stored equal Hugging Face on the dequantized weights.
+
+Tiny random Llama (tied head) and Qwen3 (untied, q/k norms) models are written as GGUF files the way
+llama.cpp's converter writes them (its metadata keys, its q/k row permutation for Llama), with a
+different block type per projection: Q4_0/Q4_1/Q8_0/F16 blocks from gguf's own quantizer, Q4_K/Q6_K random
+blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
+those blocks; minisgl reads the file with weights_format="stored". The default model, stored, gives the
+tokens of Hugging Face on today's float32 conversion on the README's prompts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import HFReference, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+
+from minisgl.core import SamplingParams
+from minisgl.kernel import StoredWeight
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# per HF projection: the block type it is stored as (a merged QKV of three types, K-quants, F16)
+LLAMA_TYPES = {
+    "q_proj": Q.Q4_0,
+    "k_proj": Q.Q4_1,
+    "v_proj": Q.Q8_0,
+    "o_proj": Q.Q4_K,
+    "gate_proj": Q.Q6_K,
+    "up_proj": Q.Q4_1,
+    "down_proj": Q.Q4_K,
+    "embed_tokens": Q.Q8_0,
+}
+QWEN3_TYPES = {
+    "q_proj": Q.Q8_0,
+    "k_proj": Q.Q8_0,
+    "v_proj": Q.Q8_0,
+    "o_proj": Q.F16,
+    "gate_proj": Q.Q4_0,
+    "up_proj": Q.Q4_0,
+    "down_proj": Q.Q6_K,
+    "embed_tokens": Q.Q4_1,
+    "lm_head": Q.Q6_K,
+}
+_GGUF_NAMES = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm",
+}
+_LLAMA = {"vocab_size": 320, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+_QWEN3 = {"vocab_size": 300, "hidden_size": 256, "intermediate_size": 256, "head_dim": 96}
+_COMMON = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+SPECS = {
+    "llama": ("LlamaForCausalLM", "llama", LLAMA_TYPES, {**_LLAMA, **_COMMON, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_TYPES, {**_QWEN3, **_COMMON, "tie_word_embeddings": False}),
+}
+
+
+def _blocks(w: torch.Tensor, qtype: Q, seed: int) -> np.ndarray:
+    """The rows of w as blocks of qtype: gguf's quantizer where it has one, else random blocks whose
+    fp16 scales are set so the weights have w's spread."""
+    if qtype not in (Q.Q4_K, Q.Q6_K):
+        return gguf.quants.quantize(w.numpy(), qtype)
+    rng = np.random.default_rng(seed)
+    n, k = w.shape
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
+    scale_at = [0, 2] if qtype == Q.Q4_K else [208]
+    for off in scale_at:
+        blocks[:, off : off + 2] = np.full((blocks.shape[0], 1), 1.0, np.float16).view(np.uint8)
+    spread = gguf.quants.dequantize(blocks, qtype).std()
+    for off in scale_at:
+        d = rng.uniform(0.5, 1.5, size=(blocks.shape[0], 1)) * float(w.std()) / spread
+        blocks[:, off : off + 2] = d.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (its interleaved rotary)."""
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")  # model.layers.{i}.{self_attn|mlp|norm}.{proj}.weight
+    return f"blk.{parts[2]}.{_GGUF_NAMES[parts[-2]]}.{parts[-1]}"
+
+
+def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
+    """A tiny random model as a .gguf file, and the HF directory of its dequantized weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch, gguf_arch, types, kwargs = SPECS[name]
+    config = AutoConfig.for_model(
+        gguf_arch,
+        initializer_range=0.15,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        architectures=[arch],
+        **kwargs,
+    )
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    writer = gguf.GGUFWriter(os.path.join(out_dir, f"{name}.gguf"), gguf_arch)
+    for key, value in [
+        ("block_count", config.num_hidden_layers),
+        ("context_length", 512),
+        ("embedding_length", config.hidden_size),
+        ("feed_forward_length", config.intermediate_size),
+        ("attention.head_count", config.num_attention_heads),
+        ("attention.head_count_kv", config.num_key_value_heads),
+        ("attention.key_length", config.head_dim),
+        ("rope.dimension_count", config.head_dim),
+        ("vocab_size", config.vocab_size),
+    ]:
+        writer.add_uint32(f"{gguf_arch}.{key}", value)
+    writer.add_float32(f"{gguf_arch}.rope.freq_base", float(config.rope_parameters["rope_theta"]))
+    writer.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    state = {}
+    for i, (hf, w) in enumerate(model.state_dict().items()):
+        if hf == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        kind = hf.split(".")[-2]
+        if w.dim() == 1:
+            state[hf], data, qtype = w, w.numpy(), None
+        else:
+            qtype = types[kind]
+            blocks = _blocks(w, qtype, seed=i)
+            state[hf] = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).reshape(w.shape)
+            data = blocks
+        if gguf_arch == "llama" and kind in ("q_proj", "k_proj"):
+            heads = config.num_attention_heads if kind == "q_proj" else config.num_key_value_heads
+            data = _llama_cpp_permute(data, heads)
+        writer.add_tensor(_gguf_name(hf), data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_state_dict(state, strict=False)  # the weights as the file holds them
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    hf_dir = os.path.join(out_dir, f"{name}-hf")
+    model.save_pretrained(hf_dir)
+    return os.path.join(out_dir, f"{name}.gguf"), hf_dir
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, tmp_path):
+    gguf_path, hf_dir = write_tiny_gguf(name, str(tmp_path))
+    ref = HFReference(hf_dir)
+    vocab = SPECS[name][3]["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed=n) for n in (5, 17, 40)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with make_llm(gguf_path, **tiny_llm_kwargs(weights_format="stored")) as llm:
+        engine = llm.scheduler.engine
+        model = engine.model
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, StoredWeight)
+        assert isinstance(model.lm_head.weight, StoredWeight)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == (name == "llama")
+        # the blocks as stored are what stays resident (plus the float norms)
+        assert engine.weight_bytes < os.path.getsize(gguf_path)
+        outs = llm.generate(prompts, sp)
+        prepared = engine.model_dir
+    shutil.rmtree(prepared, ignore_errors=True)  # the cached config directory of this temporary file
+    for suffix in (".lock",):
+        if os.path.exists(prepared + suffix):
+            os.unlink(prepared + suffix)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"{name} stored")
+
+
+def test_unsupported_block_type_is_named(tmp_path):
+    """A projection in a type the kernels do not read: an error naming the type and the way out."""
+    path = str(tmp_path / "q5.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in [
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 64),
+        ("feed_forward_length", 64),
+        ("attention.head_count", 2),
+        ("vocab_size", 32),
+    ]:
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    raw = np.zeros((64, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.Q5_0][1]), np.uint8)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=Q.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from minisgl.llm import LLM
+
+    with pytest.raises(ValueError, match="Q5_0.*--weights-format float32"):
+        LLM(path, **tiny_llm_kwargs(weights_format="stored"))
+
+
+QUICKSTART_PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):"]
+
+
+def test_default_model_stored_equals_hf_on_the_float32_conversion(default_model_dir):
+    """The embedded default model (Q4_1 projections, Q8_0 tied embedding), stored: Hugging Face's greedy
+    tokens on the converted float32 directory (the same dequantized values)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    ref = HFReference(default_model_dir)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with make_llm(None, max_running_req=4, max_seq_len_override=512, show_progress=False) as llm:
+        engine = llm.scheduler.engine
+        assert engine.config.weights_format == "auto" and os.path.islink(
+            os.path.join(engine.model_dir, "model.gguf")
+        )
+        assert engine.weight_bytes < 100 * 2**20  # 92 MiB of blocks instead of 513 MiB of float32
+        outs = llm.generate(QUICKSTART_PROMPTS, sp)
+    for prompt, out in zip(QUICKSTART_PROMPTS, outs):
+        ids = tokenizer(prompt)["input_ids"]
+        assert_tokens_equal_hf(out["token_ids"], ref, ids, what=repr(prompt))
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_half_safetensors_stored_equals_hf(half, tmp_path):
+    """A bf16/fp16 checkpoint with weights_format="stored" keeps its matrices in half precision (half the
+    bytes) and gives Hugging Face float32's tokens on the same (exactly upcast) weights."""
+    from helpers import TINY_SPECS, build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model(TINY_SPECS["qwen3"], str(tmp_path / "f32"))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.to(getattr(torch, half)).save_pretrained(str(tmp_path / half))
+    ref = HFReference(str(tmp_path / half))
+    prompts = [random_prompt(n, 1000, seed=n) for n in (6, 30)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with make_llm(str(tmp_path / half), **tiny_llm_kwargs(weights_format="stored")) as llm:
+        engine = llm.scheduler.engine
+        w = engine.model.model.layers[0].mlp.down_proj.weight
+        assert isinstance(w, StoredWeight) and w.nbytes == w.shape[0] * w.shape[1] * 2
+        outs = llm.generate(prompts, sp)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"{half} stored")
+
+
+def test_gguf_dequantized_into_float_parameters_equals_the_reference(tmp_path):
+    """Where stored weights do not serve (a GPU, TP), the file is dequantized into the float parameters:
+    exactly the weights Hugging Face holds (q/k rows back in HF order, QKV and gate|up merged)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.models import ModelConfig, create_model
+    from minisgl.models.gguf_weights import load_gguf
+
+    gguf_path, hf_dir = write_tiny_gguf("llama", str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    model = create_model(ModelConfig.from_hf(AutoConfig.from_pretrained(hf_dir)))
+    assert load_gguf(model, gguf_path, keep_stored=False, show_progress=False) == 0
+    attn = model.model.layers[1].self_attn.qkv_proj.weight
+    expected = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(attn, expected)
+    assert torch.equal(model.lm_head.weight, hf["model.embed_tokens.weight"])
