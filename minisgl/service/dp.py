@@ -193,13 +193,18 @@ class DataParallelService:
         requests it routes there meanwhile fail)."""
         if self.router is None:
             return
+        # with --api-key the router's worker API wants the key too
+        auth = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
         try:
-            with urllib.request.urlopen(self.router.url + "/workers", timeout=5) as r:
+            listing = urllib.request.Request(self.router.url + "/workers", headers=auth)
+            with urllib.request.urlopen(listing, timeout=5) as r:
                 workers = json.load(r).get("workers", [])
             for w in workers:
                 if w.get("url") == replica.url:
-                    req = urllib.request.Request(f"{self.router.url}/workers/{w['id']}", method="DELETE")
-                    urllib.request.urlopen(req, timeout=5).close()
+                    url = f"{self.router.url}/workers/{w['id']}"
+                    urllib.request.urlopen(
+                        urllib.request.Request(url, headers=auth, method="DELETE"), timeout=5
+                    ).close()
         except (urllib.error.URLError, OSError, ValueError) as e:  # the router's health checks remain
             logger.warning(f"could not take {replica.name} out of the router: {e}")
 
