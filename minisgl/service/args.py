@@ -57,6 +57,12 @@ class ServerArgs(SchedulerConfig):
         min=1,
         aliases=["dp"],
     )
+    router_args: str = option(
+        "",
+        help="with --dp: more options for `python -m sglang_router.launch_router`, in one quoted string "
+        '(e.g. "--balance-abs-threshold 8" to spread a shared-prefix workload sooner)',
+        metavar="ARGS",
+    )
     ipc_dir: str = ""  # the launcher's private directory for the ZMQ sockets
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ logger = init_logger(__name__, "dp")
 
 ROUTER_POLICY = "cache_aware"
 # options the launcher sets per replica (the rest of the command line goes to every replica as given)
-PER_REPLICA = ("dp_size", "host", "port", "model_path", "served_model_name")
+PER_REPLICA = ("dp_size", "router_args", "host", "port", "model_path", "served_model_name")
 
 
 @dataclass
@@ -116,7 +117,7 @@ def router_argv(args: ServerArgs, urls: list[str]) -> list[str]:
     cmd += ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "5"]
     if args.api_key:  # the router checks its clients' key and sends it on to the replicas
         cmd += ["--api-key", args.api_key]
-    return cmd
+    return cmd + shlex.split(args.router_args)  # the router's argparse: a later flag wins
 
 
 def _answers(url: str) -> bool:
