@@ -148,3 +148,29 @@ def test_a_killed_replica_is_taken_out_and_sigterm_stops_everything(dp):
     assert dp.proc.wait(60) == 0
     psutil.wait_procs(everyone, timeout=30)
     assert [p.pid for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_a_replica_gets_the_options_given_but_its_own_port_and_the_resolved_model(model):
+    from minisgl.service.args import parse_args
+    from minisgl.service.dp import replica_argv
+
+    argv = ["--model", model, "--dp", "2", "--port", "3000", "--host", "0.0.0.0", "--page-size", "4"]
+    argv += ["--overlap", "off", "--no-shell", "--router-args", "--policy round_robin", "--api-key", "k"]
+    args = parse_args(argv)
+    cmd = replica_argv(argv, args, 3002)
+    assert cmd[1:3] == ["-m", "minisgl"]
+    replica = parse_args(cmd[3:])
+    assert (replica.dp_size, replica.port, replica.host, replica.router_args) == (1, 3002, "127.0.0.1", "")
+    assert (replica.page_size, replica.api_key, replica.model_path) == (4, "k", model)
+    assert replica.overlap is False and replica.served_model_name == args.served_model_name
+
+
+@pytest.mark.gpu
+def test_dp_on_a_gpu_host_gives_each_replica_its_own_gpu(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with serving(["--dp", "2"], tmp_path / "dp.log") as s:
+        log = s.log_text()
+        assert "replica-0" in log and "CUDA_VISIBLE_DEVICES=0" in log and "CUDA_VISIBLE_DEVICES=1" in log
+        body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}
+        assert post(s.url, "/generate", body).status_code == 200
