@@ -86,9 +86,11 @@ def replica_devices(args: ServerArgs) -> list[dict[str, str]]:
     n, tp, gpus = args.dp_size, args.tp_size, _gpus()
     if gpus:
         if len(gpus) < n * tp:
+            share = -(-n * tp // len(gpus))  # replicas per GPU
             logger.warning(
-                f"{n} replicas x {tp} GPUs > the {len(gpus)} GPUs visible: replicas share GPUs (size "
-                "each one's KV pool with --num-pages or --memory-ratio)"
+                f"{n} replicas x {tp} GPUs > the {len(gpus)} GPUs visible: {share} replicas share each GPU; "
+                f"each sizes its memory from the whole GPU, so give them --mem-fraction "
+                f"{args.mem_fraction / share:.2f} (or --num-pages)"
             )
         return [
             {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(i * tp + r) % len(gpus)] for r in range(tp))}
