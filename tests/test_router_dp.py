@@ -35,6 +35,11 @@ def model(tmp_path_factory) -> str:
 def dp(model, tmp_path_factory):
     with serving(["--model", model, "--dp", "2", *ARGS], tmp_path_factory.mktemp("dp") / "dp.log") as s:
         s.replicas = [f"http://127.0.0.1:{s.port + 1 + i}" for i in range(2)]  # type: ignore[attr-defined]
+        # the router answers before the launcher has seen it ready and logged so: wait for that line
+        deadline = time.monotonic() + 120
+        while "through the router" not in s.log_text() and time.monotonic() < deadline:
+            assert s.proc.poll() is None, s.log_text()[-3000:]
+            time.sleep(0.3)
         yield s
 
 
