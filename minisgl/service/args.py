@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils import options
-from minisgl.utils.options import option
+from minisgl.utils.options import OptionError, option
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 
@@ -50,6 +50,19 @@ class ServerArgs(SchedulerConfig):
         min=0.1,
     )
     shell: bool = option(False, help="chat in the terminal instead of serving HTTP")
+    dp_size: int = option(
+        1,
+        help="N > 1: N replicas of the service on this machine (ports --port+1..--port+N; one GPU per "
+        "--tp-size GPUs each, or an Nth of the CPU cores) behind SGLang's cache-aware router on --port",
+        min=1,
+        aliases=["dp"],
+    )
+    router_args: str = option(
+        "",
+        help="with --dp: more options for `python -m sglang_router.launch_router`, in one quoted string "
+        '(e.g. "--balance-abs-threshold 8" to spread a shared-prefix workload sooner)',
+        metavar="ARGS",
+    )
     ipc_dir: str = ""  # the launcher's private directory for the ZMQ sockets
 
     def __post_init__(self) -> None:
@@ -58,6 +71,11 @@ class ServerArgs(SchedulerConfig):
             self.served_model_name = self.model_path.rstrip("/") if self.model_path else DEFAULT_MODEL_NAME
         if not self.api_key:  # read here, not at import: a launcher may set it after importing minisgl
             self.api_key = os.environ.get("MINISGL_API_KEY", "")
+        if self.dp_size > 1 and (self.shell or self.nnodes > 1):
+            why = "--shell" if self.shell else "--nnodes > 1 (run the router in front of each node's service)"
+            raise OptionError("dp_size", f"must be 1 with {why}")
+        if self.dp_size > 1 and self.port + self.dp_size > 65535:
+            raise OptionError("dp_size", f"the replicas' ports {self.port}+1..+{self.dp_size} pass 65535")
 
     @property
     def model_names(self) -> list[str]:

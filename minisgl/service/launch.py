@@ -506,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except KeyboardInterrupt:  # a name check may import an optional backend: a Ctrl-C then stops quietly
         return 0
+    if args.dp_size > 1:
+        from .dp import launch_dp
+
+        return launch_dp(args, sys.argv[1:] if argv is None else argv)
     return launch(args)
 
 

@@ -47,7 +47,25 @@ class Metrics:
         "cached_prompt_tokens": ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
     }
 
-    def __init__(self) -> None:
+    # the same numbers under the names gateways scrape: the Kubernetes Gateway API inference extension's
+    # endpoint picker reads vLLM's (queue, running, KV usage) or SGLang's (queue, running, token usage);
+    # SGLang's router and dashboards read SGLang's. Fractions are 0..1, as both engines export them.
+    GATEWAY_NAMES: ClassVar[dict[str, tuple[str, str]]] = {  # gateway name -> derived quantity, help
+        "vllm:num_requests_running": ("running", "Requests in the running batch"),
+        "vllm:num_requests_waiting": ("waiting", "Requests waiting for admission"),
+        "vllm:kv_cache_usage_perc": ("kv_usage", "Fraction of KV pages in use (1 = full)"),
+        "vllm:gpu_cache_usage_perc": ("kv_usage", "Fraction of KV pages in use (the older vLLM name)"),
+        "vllm:prefix_cache_hit_rate": ("hit_rate", "Fraction of prompt tokens found in the prefix cache"),
+        "sglang:num_running_reqs": ("running", "Requests in the running batch"),
+        "sglang:num_queue_reqs": ("waiting", "Requests waiting for admission"),
+        "sglang:token_usage": ("kv_usage", "Fraction of KV tokens in use (1 = full)"),
+        "sglang:cache_hit_rate": ("hit_rate", "Fraction of prompt tokens found in the prefix cache"),
+        "sglang:num_used_tokens": ("used_tokens", "KV tokens in use (by requests or the prefix cache)"),
+        "sglang:max_total_num_tokens": ("total_tokens", "KV tokens in the pool"),
+    }
+
+    def __init__(self, page_size: int = 1) -> None:
+        self.page_size = page_size
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("minisgl_requests", "HTTP generation requests", ["endpoint"], registry=r)
@@ -82,6 +100,7 @@ class Metrics:
         self.hit_rate = Gauge(
             "minisgl_prefix_cache_hit_rate", "Fraction of prompt tokens found in the cache", registry=r
         )
+        self.gateway = {name: Gauge(name, doc, registry=r) for name, (_, doc) in self.GATEWAY_NAMES.items()}
 
     def update(self, stats: dict[str, float]) -> None:
         for key, gauge in self.gauges.items():
@@ -91,6 +110,26 @@ class Metrics:
             self.kv_usage.set(stats.get("kv_used_pages", 0) / stats["kv_total_pages"])
         if stats.get("prompt_tokens"):
             self.hit_rate.set(stats.get("cached_prompt_tokens", 0) / stats["prompt_tokens"])
+        derived = self._derived(stats)
+        for name, (quantity, _) in self.GATEWAY_NAMES.items():
+            if quantity in derived:
+                self.gateway[name].set(derived[quantity])
+
+    def _derived(self, stats: dict[str, float]) -> dict[str, float]:
+        """The quantities the gateway names export, from one stats message (those it has)."""
+        out: dict[str, float] = {}
+        if "num_running" in stats:
+            out["running"] = stats["num_running"]
+        if "num_waiting" in stats:
+            out["waiting"] = stats["num_waiting"]
+        if "kv_used_pages" in stats:
+            out["used_tokens"] = stats["kv_used_pages"] * self.page_size
+        if stats.get("kv_total_pages"):
+            out["total_tokens"] = stats["kv_total_pages"] * self.page_size
+            out["kv_usage"] = stats.get("kv_used_pages", 0) / stats["kv_total_pages"]
+        if stats.get("prompt_tokens"):
+            out["hit_rate"] = stats.get("cached_prompt_tokens", 0) / stats["prompt_tokens"]
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,6 +40,7 @@ from .protocol import (
 )
 from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
 from .routing import ChoiceState, FrontendManager, Generation
+from .worker_api import RequestIdMiddleware, add_worker_routes
 
 logger = init_logger(__name__, "api")
 
@@ -259,6 +260,8 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, key=args.api_key)
+    app.add_middleware(RequestIdMiddleware)  # outermost: a refused request's reply carries its id too
+    add_worker_routes(app, server)
 
     @app.get("/v1/models")
     async def v1_models() -> dict[str, Any]:

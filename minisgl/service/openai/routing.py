@@ -49,7 +49,7 @@ class FrontendManager:
         self.args = args
         self.uids = itertools.count()
         self.queues: dict[int, asyncio.Queue[UserReply]] = {}
-        self.metrics = Metrics()
+        self.metrics = Metrics(args.page_size)
         self.stats: dict[str, float] = {}
         self._listener: asyncio.Task[None] | None = None
 
