@@ -233,6 +233,9 @@ def test_default_model_stored_equals_hf_on_the_float32_conversion(default_model_
             os.path.join(engine.model_dir, "model.gguf")
         )
         assert engine.weight_bytes < 100 * 2**20  # 92 MiB of blocks instead of 513 MiB of float32
+        # the per-rank memory report counts the same bytes: the blocks, beyond the float parameters
+        assert llm.rank_states()[0]["memory"]["weights"] == engine.weight_bytes
+        assert engine.weight_bytes > 50 * 2**20  # the float parameters alone are the norms' few KB
         outs = llm.generate(QUICKSTART_PROMPTS, sp)
     for prompt, out in zip(QUICKSTART_PROMPTS, outs):
         ids = tokenizer(prompt)["input_ids"]

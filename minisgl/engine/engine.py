@@ -225,7 +225,7 @@ class Engine:
     def _report_memory(self, graphs: int) -> dict[str, int]:
         """This rank's bytes of weights, KV pool and graph buffers (CUDA's pool growth while capturing),
         logged per rank."""
-        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        weights = _resident_weight_bytes(self.model)  # stored GGUF blocks too, tied matrices once
         kv = sum(t.numel() * t.element_size() for t in (self.kv_pool.k_buffer, self.kv_pool.v_buffer))
         memory = {"weights": weights, "kv_pool": kv, "graphs": graphs}
         tp = self.config.tp_info
