@@ -265,30 +265,3 @@ def store_kv(
     if ops is not None:
         return ops.store_kv(k_cache, v_cache, out_loc, k, v)
     return ref.store_kv(k_cache, v_cache, out_loc, k, v)
-
-
-def moe_route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixture-of-experts routing: (weights [T, k] float32, expert ids [T, k] int32); one Triton kernel on a
-    GPU (no host synchronisation), the torch reference elsewhere."""
-    ops = _triton_kernels() if _on_gpu(router_logits) else None
-    if ops is not None:
-        return ops.moe_route(router_logits, top_k, renormalize)
-    return ref.moe_route(router_logits, top_k, renormalize)
-
-
-def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_start: int = 0,
-) -> torch.Tensor:
-    """The routed experts' gated MLPs of x [T, H] (kernel.reference.fused_moe): the Triton fused kernels on
-    a GPU (CUDA-graph safe), the torch reference (expert by expert, one host sync) elsewhere."""
-    ops = _triton_kernels() if _on_gpu(x) else None
-    if ops is not None:
-        return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
-    return ref.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
