@@ -134,6 +134,18 @@ def test_a_client_that_disconnects_is_aborted_on_its_replica(dp):
     assert aborted() > before
 
 
+def test_flush_cache_through_the_router_reaches_every_replica(dp):
+    flushes = lambda: [metrics(r).get("minisgl_cache_flushes", 0.0) for r in dp.replicas]
+    before = flushes()
+    r = httpx.post(f"{dp.url}/flush_cache", timeout=120)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while any(a <= b for a, b in zip(flushes(), before)) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert all(a == b + 1 for a, b in zip(flushes(), before)), (before, flushes())
+    assert [metrics(r)["minisgl_kv_cached_pages"] for r in dp.replicas] == [0, 0]
+
+
 def test_a_killed_replica_is_taken_out_and_sigterm_stops_everything(dp):
     launcher = psutil.Process(dp.proc.pid)
     everyone = launcher.children(recursive=True)
@@ -179,3 +191,27 @@ def test_dp_on_a_gpu_host_gives_each_replica_its_own_gpu(tmp_path):
         assert "replica-0" in log and "CUDA_VISIBLE_DEVICES=0" in log and "CUDA_VISIBLE_DEVICES=1" in log
         body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}
         assert post(s.url, "/generate", body).status_code == 200
+
+
+def test_an_api_key_is_checked_by_the_router_and_by_each_replica(model, tmp_path):
+    """--api-key with --dp: a client needs the key at the router; the router passes it on to the replicas,
+    which want it too."""
+    from openai import AuthenticationError, OpenAI
+
+    argv = ["--model", model, "--dp", "2", "--api-key", "sk-dp", *ARGS]
+    with serving(argv, tmp_path / "dp.log", ready_path="/health") as s:
+        replicas = [f"http://127.0.0.1:{s.port + 1 + i}" for i in range(2)]
+        deadline = time.monotonic() + 120
+        while "through the router" not in s.log_text() and time.monotonic() < deadline:
+            assert s.proc.poll() is None, s.log_text()[-3000:]
+            time.sleep(0.3)
+        good = OpenAI(base_url=f"{s.url}/v1", api_key="sk-dp")
+        for _ in range(4):  # both replicas get some of them
+            out = good.completions.create(model="tiny", prompt="hi", max_tokens=2)
+            assert out.usage.completion_tokens == 2
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{s.url}/v1", api_key="wrong").completions.create(
+                model="tiny", prompt="hi", max_tokens=2
+            )
+        for url in replicas:
+            assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30).status_code == 401

@@ -5,11 +5,14 @@ tiny model."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
-from helpers import serving
+from helpers import TINY_SPECS, build_tiny_model, make_llm, serving, tiny_llm_kwargs
 from test_server_lifecycle import _tiny_model_with_a_real_tokenizer
+
+from minisgl.core import SamplingParams
 
 CONTEXT = 256
 PAGES = 2048
@@ -105,3 +108,40 @@ def test_gateway_metric_names(service):
     assert m["sglang:max_total_num_tokens"] == PAGES  # one token per page
     assert m["sglang:num_used_tokens"] == m["minisgl_kv_used_pages"]
     assert 0 < m["sglang:cache_hit_rate"] < 1 and 0 < m["sglang:token_usage"] < 1
+
+
+def cached_tokens(service, prompt: dict) -> int:
+    r = httpx.post(f"{service.url}/generate", json=prompt, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["cached_tokens"]
+
+
+def test_flush_cache_empties_the_prefix_cache(service):
+    """The router's /flush_cache reaches this: afterwards a repeated prompt finds nothing cached."""
+    prompt = {"input_ids": list(range(50, 90)), "sampling_params": {"max_new_tokens": 1}}
+    cached_tokens(service, prompt)
+    assert cached_tokens(service, prompt) == 39  # a hand count: all but the token that is computed
+    flushes = gauges(service)["minisgl_cache_flushes"]
+    for method in (httpx.post, httpx.get):  # SGLang answers both
+        r = method(f"{service.url}/flush_cache", timeout=120)
+        assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+    deadline = time.monotonic() + 60
+    while (m := gauges(service))["minisgl_cache_flushes"] < flushes + 2:
+        assert time.monotonic() < deadline, m  # the stats arrive after each flush
+        time.sleep(0.05)
+    assert m["minisgl_kv_cached_pages"] == 0 and m["minisgl_kv_used_pages"] == 0
+    assert cached_tokens(service, prompt) == 0
+
+
+def test_flush_cache_is_refused_while_a_request_runs(tmp_path):
+    """A running request holds cached pages: the scheduler keeps the cache (SGLang's rule)."""
+    model = build_tiny_model(TINY_SPECS["llama"], str(tmp_path))
+    with make_llm(model, **tiny_llm_kwargs()) as llm:
+        llm.generate([list(range(1, 30))], SamplingParams(max_tokens=2))
+        cached = llm.stats()["kv_cached_pages"]
+        assert cached > 0
+        llm.add_request(7, list(range(40, 60)), SamplingParams(max_tokens=4))
+        assert llm.scheduler.flush_cache() is None and llm.stats()["kv_cached_pages"] >= cached
+        while llm.scheduler.has_work:
+            llm.step()
+        assert llm.scheduler.flush_cache() > 0 and llm.stats()["kv_cached_pages"] == 0

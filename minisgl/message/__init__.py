@@ -1,12 +1,13 @@
 """Every message passed between the processes of the service, and their serialization.
 
-API server --TokenizeMsg/AbortMsg--> tokenizer --UserMsg/AbortMsg--> scheduler rank 0 (--BatchBackendMsg-->
-other ranks) --BatchDetokenizeMsg/StatsMsg--> detokenizer --BatchFrontendMsg/StatsMsg--> API server.
+API server --TokenizeMsg/AbortMsg/FlushCacheMsg--> tokenizer --UserMsg/AbortMsg/FlushCacheMsg--> scheduler
+rank 0 (--BatchBackendMsg--> other ranks) --BatchDetokenizeMsg/StatsMsg--> detokenizer
+--BatchFrontendMsg/StatsMsg--> API server.
 """
 
 from minisgl.core import SamplingParams
 
-from .backend import AbortMsg, BackendMsg, BatchBackendMsg, UserMsg
+from .backend import AbortMsg, BackendMsg, BatchBackendMsg, FlushCacheMsg, UserMsg
 from .frontend import BatchFrontendMsg, TokenLogprob, UserReply
 from .serialize import dumps, loads, serializable
 from .tokenizer import BatchDetokenizeMsg, DetokenizeMsg, DetokenizeStartMsg, StatsMsg, TokenizeMsg
@@ -21,6 +22,7 @@ __all__ = [
     "BatchFrontendMsg",
     "DetokenizeMsg",
     "DetokenizeStartMsg",
+    "FlushCacheMsg",
     "StatsMsg",
     "TokenLogprob",
     "TokenizeMsg",

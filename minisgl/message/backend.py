@@ -32,7 +32,15 @@ class AbortMsg:
     uid: int
 
 
-BackendMsg = UserMsg | AbortMsg
+@serializable
+@dataclass
+class FlushCacheMsg:
+    """Empty the prefix cache (SGLang's /flush_cache); done only while no request runs or waits."""
+
+    reason: str = "flush_cache"
+
+
+BackendMsg = UserMsg | AbortMsg | FlushCacheMsg
 
 
 @serializable

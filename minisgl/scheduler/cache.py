@@ -50,6 +50,12 @@ class CacheManager:
         return (t[:, None] * ps + torch.arange(ps, dtype=torch.int32)[None, :]).flatten()[:n]
 
     # ---- prefix cache ----------------------------------------------------------------------------
+    def flush(self) -> int:
+        """Evict every unlocked cached prefix; returns the pages freed."""
+        pages = self.cache.evict(self.cache.evictable_pages)
+        self._free.extend(pages)
+        return len(pages)
+
     def match(self, req: Req) -> int:
         """Lock the longest cached prefix of req's tokens (keeping at least one token to compute) and
         take its pages as req's first pages; returns the cached length."""

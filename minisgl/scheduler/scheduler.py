@@ -341,6 +341,13 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def flush_cache(self) -> int | None:
+        """Empty the prefix cache, as SGLang's /flush_cache does: only when no request runs or waits
+        (a running request holds cached pages). The pages freed, or None when refused."""
+        if self.has_work or self.reqs:
+            return None
+        return self.cache.flush()
+
     # ---- introspection ---------------------------------------------------------------------------
     def num_free_pages(self) -> int:
         return self.cache.num_free

@@ -26,6 +26,7 @@ from minisgl.message import (
     BatchBackendMsg,
     BatchDetokenizeMsg,
     DetokenizeMsg,
+    FlushCacheMsg,
     StatsMsg,
     UserMsg,
     dumps,
@@ -88,6 +89,7 @@ class SchedulerIO:
             "integrity_failures": 0,
             "aborted_requests": 0,
             "rejected_requests": 0,
+            "cache_flushes": 0,
         }
 
     def wait_for_ranks(self, timeout: float = 600.0) -> None:
@@ -157,6 +159,8 @@ class SchedulerIO:
                 self._add(msg)
             elif isinstance(msg, AbortMsg):
                 self._abort(msg.uid)
+            elif isinstance(msg, FlushCacheMsg):
+                self._flush_cache()
             else:
                 raise TypeError(f"the scheduler cannot handle {type(msg).__name__}")
         except Exception as e:  # a message must not take the scheduler down
@@ -208,6 +212,16 @@ class SchedulerIO:
         self.early_aborts[uid] = now
         if len(self.early_aborts) > 1024:
             self.early_aborts = {u: t for u, t in self.early_aborts.items() if now - t < ABORT_MEMORY}
+
+    def _flush_cache(self) -> None:
+        freed = self.scheduler.flush_cache()
+        if freed is None:
+            logger.warning("Cache not flushed: requests are running or waiting")
+            return
+        self.counters["cache_flushes"] += 1
+        if self.rank == 0:
+            logger.info(f"Cache flushed: {freed} pages freed")
+        self._send_stats()  # the API server's gauges show the empty cache at once
 
     def _check_integrity(self) -> None:
         """Idle: every KV page must be free or held by the prefix cache. A leak is logged loudly; with

@@ -29,6 +29,7 @@ from minisgl.message import (
     BatchFrontendMsg,
     DetokenizeMsg,
     DetokenizeStartMsg,
+    FlushCacheMsg,
     StatsMsg,
     TokenizeMsg,
     UserMsg,
@@ -210,7 +211,7 @@ class TokenizerWorker:
             else:
                 assert self.tokenizer is not None, f"the {self.role} worker does not tokenize"
                 self.tokenizer.handle(msg)
-        elif isinstance(msg, AbortMsg):
+        elif isinstance(msg, (AbortMsg, FlushCacheMsg)):
             self.send_backend.put(msg)
         elif isinstance(msg, DetokenizeStartMsg):
             return self._detokenize_start(msg)

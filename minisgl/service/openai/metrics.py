@@ -41,6 +41,7 @@ class Metrics:
         "num_retractions": ("num_retractions", "Requests retracted when decode ran out of KV"),
         "aborted_requests": ("aborted_requests", "Requests the scheduler aborted"),
         "rejected_requests": ("rejected_requests", "Requests the scheduler rejected"),
+        "cache_flushes": ("cache_flushes", "Prefix cache flushes done (/flush_cache)"),
         "integrity_checks": ("integrity_checks", "Idle-time KV integrity checks run"),
         "integrity_failures": ("integrity_failures", "Idle-time KV integrity checks that found a leak"),
         "prompt_tokens": ("scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler"),

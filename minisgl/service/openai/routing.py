@@ -18,6 +18,7 @@ from fastapi import Request
 from minisgl.message import (
     AbortMsg,
     BatchFrontendMsg,
+    FlushCacheMsg,
     StatsMsg,
     TokenizeMsg,
     TokenLogprob,
@@ -91,6 +92,10 @@ class FrontendManager:
         logger.warning(f"Aborting request {order[0]}{more}")  # one line per HTTP request, not per sequence
         for uid in order:
             self.send.put_nowait(AbortMsg(uid))
+
+    def flush_cache(self) -> None:
+        """Ask the scheduler to empty its prefix cache (it refuses while requests run or wait)."""
+        self.send.put_nowait(FlushCacheMsg())
 
     def check_capacity(self, new: int) -> None:
         """Raise HTTP 429 when `new` more sequences would leave more than --max-waiting-requests waiting

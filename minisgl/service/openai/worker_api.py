@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import minisgl
@@ -93,6 +93,8 @@ def add_worker_routes(app: FastAPI, server: OpenAIServer) -> None:
     for path in ("/get_model_info", "/model_info"):
         app.get(path)(get_model_info)
 
+    add_cache_routes(app, server)
+
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
         return load(server)
@@ -108,6 +110,23 @@ def add_worker_routes(app: FastAPI, server: OpenAIServer) -> None:
         except APIError:  # e.g. HTTP 429: too many requests wait, so the replica is not ready for more
             ok = False
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+def add_cache_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """SGLang's /flush_cache, which the router calls on every replica: empties the prefix cache (the
+    scheduler does it only while idle, and logs whether it did); answered at once, as SGLang does."""
+
+    async def flush_cache() -> Response:
+        server.frontend.flush_cache()
+        return PlainTextResponse(FLUSHED)
+
+    app.api_route("/flush_cache", methods=["GET", "POST"])(flush_cache)
 
 
 class RequestIdMiddleware:
