@@ -206,11 +206,14 @@ class Engine:
             num = self.config.num_pages
         elif is_cuda(self.device):
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1 - self.config.mem_fraction) + (1 << 30)  # graphs, activations, sampling
-            num = int(max(0, free - reserve) // per_page)
+            # the budget counts this process's memory only, so that replicas sharing a GPU with
+            # --mem-fraction 1/k each get their share whichever of them starts first
+            own = torch.cuda.memory_reserved(self.device)
+            budget = min(total * self.config.mem_fraction - own, free)
+            num = int(max(0, budget - (1 << 30)) // per_page)  # 1 GiB: graphs, activations, sampling
             logger.info(
-                f"Memory: {free / 2**30:.1f} GiB free after weights of {total / 2**30:.1f} GiB; "
-                f"KV pool {num * per_page / 2**30:.1f} GiB"
+                f"Memory: {own / 2**30:.1f} GiB of weights, {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB; KV pool {num * per_page / 2**30:.1f} GiB"
             )
         else:
             num = self.config.cpu_kv_cache_bytes // per_page
