@@ -167,12 +167,18 @@ def test_triton_route_matches_reference(experts, top_k, renormalize, dtype):
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
 
 
+# (tokens, k, experts routed, first held, held): one chunk of pairs; several chunks (150 x 2 pairs in chunks
+# of 256; 40 x 8 over 128 experts in chunks of 64), with and without experts held elsewhere
+ALIGN_CASES = [(19, 2, 9, 2, 5), (150, 2, 9, 0, 9), (40, 8, 128, 0, 128), (40, 8, 128, 32, 64)]
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_align_sorts_pairs_by_held_expert_in_padded_blocks(block_m):
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=lambda c: "T{}-k{}-E{}-s{}-El{}".format(*c))
+def test_align_sorts_pairs_by_held_expert_in_padded_blocks(block_m, case):
     """Each held expert's pairs (flat index t * k + j) in pair order, padded with the sentinel T * k to a
     whole number of blocks, experts in order; pairs of experts held elsewhere are left out."""
-    tokens, top_k, start, local = 19, 2, 2, 5
-    _, ids = ref.moe_route(_uneven_logits(tokens, 9), top_k, True)
+    tokens, top_k, experts, start, local = case
+    _, ids = ref.moe_route(_uneven_logits(tokens, experts), top_k, True)
     aligned = moe.align(ids, local, block_m, start)
     sorted_ids, expert_ids, total = aligned.sorted_ids, aligned.expert_ids, aligned.total
     flat = ids.flatten().long().cpu() - start

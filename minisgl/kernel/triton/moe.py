@@ -1,11 +1,12 @@
 """Fused mixture-of-experts: the routing (softmax, top-k, renormalisation per row) and the experts' gated MLPs,
 as reference.moe_route and reference.fused_moe.
 
-fused_moe runs four kernels (three for one token, whose k choices are distinct experts: nothing to align),
+fused_moe runs five kernels (three for one token, whose k choices are distinct experts: nothing to align),
 none of which synchronises with the host, with grids that depend on the number of tokens only (never on the
 routing), so decode and prefill CUDA graphs capture them:
-1. align: the T * k (token, choice) pairs sorted by local expert, each expert's list padded with a sentinel
-   to a whole number of BLOCK_M rows; it writes each block's expert and the padded row count;
+1. align (two launches: counts per chunk of pairs, then the placement): the T * k (token, choice) pairs
+   sorted by local expert, each expert's list padded with a sentinel to a whole number of BLOCK_M rows; it
+   writes each block's expert and the padded row count;
 2. gate/up: a grouped GEMM over those blocks (block b multiplies by its expert's w13) with SiLU-and-mul in
    its epilogue, into act [padded rows, I] in x's dtype;
 3. down: a grouped GEMM of act by w2 with the routing weight applied to its float32 accumulator, each
@@ -88,35 +89,50 @@ def _onehot(ids_ptr, c0, M, expert_start, EL, CHUNK: tl.constexpr, BLOCK_E: tl.c
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, M, expert_start, EL, BLOCK_M: tl.constexpr,
-                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """One program: count the pairs of each local expert, lay the experts' lists out one after the other,
-    each padded to whole BLOCK_M blocks (padding rows hold the sentinel M), write every block's expert and
-    the padded row count, then place each pair (its flat index t * k + j) in its expert's list in pair
-    order (no atomics: the layout is the same on every run)."""
+def _count_kernel(ids_ptr, counts_ptr, M, expert_start, EL, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program p: how many of the pairs p * CHUNK ... (p + 1) * CHUNK - 1 go to each local expert."""
     gdc_begin(PDL)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, M, CHUNK):
-        counts += tl.sum(_onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E), axis=1)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    p = tl.program_id(0)
+    counts = tl.sum(_onehot(ids_ptr, p * CHUNK, M, expert_start, EL, CHUNK, BLOCK_E), axis=1)
+    tl.store(counts_ptr + p * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, total_ptr, M, P, expert_start, EL,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program p: from every chunk's counts, lay the experts' lists out one after the other, each padded to
+    whole BLOCK_M blocks, and place chunk p's pairs (flat index t * k + j) in their experts' lists after the
+    earlier chunks' (pair order: the layout is the same on every run, without atomics). Program 0 also
+    writes the padding (the sentinel M), every block's expert and the padded row count."""
+    gdc_begin(PDL)
+    p = tl.program_id(0)
+    total_e = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of earlier chunks, per expert
+    experts = tl.arange(0, BLOCK_E)
+    for r0 in range(0, P, BLOCK_P):
+        rows = r0 + tl.arange(0, BLOCK_P)
+        c = tl.load(counts_ptr + rows[:, None] * BLOCK_E + experts[None, :], mask=rows[:, None] < P, other=0)
+        total_e += tl.sum(c, axis=0)
+        before += tl.sum(tl.where(rows[:, None] < p, c, 0), axis=0)
+    padded = tl.cdiv(total_e, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(total_ptr, total)
-    pad = starts[:, None] + counts[:, None] + tl.arange(0, BLOCK_M)[None, :]  # an expert's last block's tail
-    tl.store(sorted_ptr + pad, tl.zeros(pad.shape, dtype=tl.int32) + M, mask=pad < ends[:, None])
-    for b0 in range(0, total // BLOCK_M, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(expert_ptr + blocks, expert, mask=blocks * BLOCK_M < total)
-    cursor = starts
-    for c0 in range(0, M, CHUNK):
-        onehot = _onehot(ids_ptr, c0, M, expert_start, EL, CHUNK, BLOCK_E)
-        rank = tl.cumsum(onehot, axis=1) - onehot  # earlier pairs of the chunk with the same expert
-        pos = tl.sum(onehot * (cursor[:, None] + rank), axis=0)
-        pairs = c0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + pos, pairs, mask=tl.sum(onehot, axis=0) > 0)
-        cursor += tl.sum(onehot, axis=1)
+    onehot = _onehot(ids_ptr, p * CHUNK, M, expert_start, EL, CHUNK, BLOCK_E)
+    rank = tl.cumsum(onehot, axis=1) - onehot  # earlier pairs of the chunk with the same expert
+    pos = tl.sum(onehot * (starts[:, None] + before[:, None] + rank), axis=0)
+    pairs = p * CHUNK + tl.arange(0, CHUNK)
+    tl.store(sorted_ptr + pos, pairs, mask=tl.sum(onehot, axis=0) > 0)
+    if p == 0:
+        total = tl.sum(padded, axis=0)
+        tl.store(total_ptr, total)
+        pad = starts[:, None] + total_e[:, None] + tl.arange(0, BLOCK_M)[None, :]  # each last block's tail
+        tl.store(sorted_ptr + pad, tl.zeros(pad.shape, dtype=tl.int32) + M, mask=pad < ends[:, None])
+        for b0 in range(0, total // BLOCK_M, CHUNK):
+            blocks = b0 + tl.arange(0, CHUNK)
+            expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+            tl.store(expert_ptr + blocks, expert, mask=blocks * BLOCK_M < total)
 
 
 # ---- 2./3. the grouped GEMMs --------------------------------------------------------------------------------
@@ -321,7 +337,7 @@ def max_blocks(pairs: int, experts: int, block_m: int) -> int:
 
 
 class Aligned(NamedTuple):
-    """The routing as the GEMMs read it: see _align_kernel; sorted_ids None: one token, block j = choice j."""
+    """The routing as the GEMMs read it: see _place_kernel; sorted_ids None: one token, block j = choice j."""
 
     sorted_ids: torch.Tensor | None  # [blocks * block_m] int32 pairs (t * k + j) by expert, padded
     expert_ids: torch.Tensor | None  # [blocks] int32 each block's local expert
@@ -333,8 +349,9 @@ class Aligned(NamedTuple):
 
 
 def align(topk_ids: torch.Tensor, experts: int, block_m: int, expert_start: int = 0) -> Aligned:
-    """Step 1: the (token, choice) pairs of topk_ids [T, k] sorted by held expert in padded blocks (one
-    launch, see _align_kernel); for one token nothing to sort (its choices are distinct experts)."""
+    """Step 1: the (token, choice) pairs of topk_ids [T, k] sorted by held expert in padded blocks (see
+    _count_kernel and _place_kernel, a program per chunk of pairs); for one token nothing to sort (its
+    choices are distinct experts)."""
     if topk_ids.shape[0] == 1:
         return Aligned(None, None, None, topk_ids, expert_start, experts, topk_ids.shape[1])
     pairs = topk_ids.numel()
@@ -345,9 +362,12 @@ def align(topk_ids: torch.Tensor, experts: int, block_m: int, expert_start: int 
     total = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(experts)
     chunk = max(16, min(256, 8192 // block_e, triton.next_power_of_2(pairs)))  # 8192 (expert, pair) cells
-    _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, total, pairs, expert_start, experts, BLOCK_M=block_m,
-                        BLOCK_E=block_e, CHUNK=chunk, PDL=pdl(topk_ids), num_warps=4 if pairs <= 1024 else 8,
-                        **launch_opts(topk_ids))
+    chunks = triton.cdiv(pairs, chunk)
+    counts = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+    opts = dict(BLOCK_E=block_e, CHUNK=chunk, PDL=pdl(topk_ids), **launch_opts(topk_ids))
+    _count_kernel[(chunks,)](topk_ids, counts, pairs, expert_start, experts, num_warps=4, **opts)
+    _place_kernel[(chunks,)](topk_ids, counts, sorted_ids, expert_ids, total, pairs, chunks, expert_start, experts,
+                             BLOCK_M=block_m, BLOCK_P=max(1, min(16, 4096 // block_e)), num_warps=4, **opts)
     return Aligned(sorted_ids, expert_ids, total, topk_ids, expert_start, experts, blocks)
 
 
