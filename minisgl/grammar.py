@@ -139,10 +139,12 @@ def new_matcher(compiled: Any) -> Any:
 @dataclass
 class TokenMask:
     """A batch's allowed tokens on the device: `bits` [n, ceil(V/32)] int32, one row per constrained
-    sampled row; `rows` [n] their indices among the sampled rows (None: every sampled row, in order)."""
+    sampled row; `rows` [n] their indices among the sampled rows (None: every sampled row, in order),
+    on the device and (`host_rows`) as a list."""
 
     bits: torch.Tensor
     rows: torch.Tensor | None
+    host_rows: list[int]
 
 
 class TokenMasks:
@@ -167,17 +169,22 @@ class TokenMasks:
         dev = bits.to(self.device, non_blocking=True)
         self._ring.used(slot)  # the buffer is handed out again once this copy is done
         every = n == num_sampled  # rows are ascending and distinct: all of them means 0..n-1
-        index = None if every else torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return TokenMask(dev, index)
+        index = None
+        if not every and self.device.type != "cpu":
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return TokenMask(dev, index, list(range(n)) if every else rows)
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
     """Set the logits of the tokens a constrained row may not take to -inf, in place (xgrammar's kernel:
     Triton on a GPU, C++ on a CPU); the other rows are untouched."""
-    apply = _xgr().apply_token_bitmask_inplace
-    if mask.rows is None:
-        apply(logits, mask.bits, vocab_size=logits.shape[-1])
-        return
-    sub = logits.index_select(0, mask.rows)
-    apply(sub, mask.bits, vocab_size=logits.shape[-1])
-    logits.index_copy_(0, mask.rows, sub)
+    apply, width = _xgr().apply_token_bitmask_inplace, logits.shape[-1]
+    if len(mask.host_rows) == logits.shape[0]:
+        apply(logits, mask.bits, vocab_size=width)
+    elif logits.device.type == "cpu":  # row by row on views: no copy of the logits
+        for k, row in enumerate(mask.host_rows):
+            apply(logits[row], mask.bits[k], vocab_size=width)
+    else:  # one kernel over the constrained rows, gathered
+        sub = logits.index_select(0, mask.rows)
+        apply(sub, mask.bits, vocab_size=width)
+        logits.index_copy_(0, mask.rows, sub)
