@@ -48,9 +48,13 @@ BENCH_SCHEMA = {
 }
 
 
-def constrained_rows(n: int, fraction: float) -> list[bool]:
-    """Which of n requests get the schema: round(n * fraction) of them, spread evenly."""
-    return [int((i + 1) * fraction) > int(i * fraction) for i in range(n)]
+def constrain(params: list, fraction: float) -> tuple[list, list[bool]]:
+    """`params` with BENCH_SCHEMA given to int(n * fraction) of the n requests, spread evenly; and which."""
+    import dataclasses
+
+    rows = [int((i + 1) * fraction) > int(i * fraction) for i in range(len(params))]
+    schema = json.dumps(BENCH_SCHEMA)
+    return [dataclasses.replace(p, json_schema=schema) if c else p for p, c in zip(params, rows)], rows
 
 
 @dataclass
@@ -135,12 +139,8 @@ def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, An
     try:
         warm = warmup_workload(min(vocab - 1, 10000))
         llm.generate(warm.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in warm.outputs])
-        rows = constrained_rows(len(workload.outputs), args.constrained_fraction)
-        schema = json.dumps(BENCH_SCHEMA)
-        params = [
-            SamplingParams(max_tokens=n, ignore_eos=True, json_schema=schema if c else None)
-            for n, c in zip(workload.outputs, rows)
-        ]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.outputs]
+        params, rows = constrain(params, args.constrained_fraction)
         plain_tokens = sum(n for n, c in zip(workload.outputs, rows) if not c)
         times, computed, generated = [], [], []
         for _ in range(args.repeat):
