@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from minisgl.core import GRAMMAR_FIELDS, InvalidRequest, SamplingParams
 from minisgl.message import TokenizeMsg, UserReply
 from minisgl.utils import init_logger
 
@@ -226,6 +228,7 @@ class OpenAIServer:
             raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
         names = FieldNames(param, "max_new_tokens")
         s = sampling(sp, max_new, names, False, 0)
+        s.params = _native_constraint(sp, s.params, names)
         self.frontend.metrics.requests.labels("generate").inc()
         msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
@@ -244,6 +247,23 @@ class OpenAIServer:
 
     def v1_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card(n) for n in self.args.model_names]}
+
+
+def _native_constraint(sp: SamplingBody, params: SamplingParams, names: FieldNames) -> SamplingParams:
+    """`params` with the constraint of /generate's sampling_params, under SGLang's names (`json_schema`,
+    `regex`, `ebnf`, `structural_tag`); a dict schema is taken as is. The tokenizer worker parses it."""
+    extra = sp.model_extra or {}
+    values = {n: getattr(sp, n, None) for n in GRAMMAR_FIELDS}  # declared fields, if the body has them
+    given = {n: extra.get(n) if v is None else v for n, v in values.items()}
+    given = {n: v for n, v in given.items() if v is not None}
+    if not given:
+        return params
+    params = dataclasses.replace(params, **given)
+    try:
+        params.validate()
+    except InvalidRequest as e:
+        raise names.error(e.message, e.param) from None
+    return params
 
 
 def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True) -> FastAPI:
