@@ -80,6 +80,12 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this once the token occurs in the output
     repetition_penalty: float = 1.0  # vLLM/HF, over prompt + output: > 1 discourages repeats; 1 is off
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
+    # constrained decoding (xgrammar), at most one per request: a JSON Schema (as a JSON string), a regular
+    # expression, an EBNF grammar, or an xgrammar structural tag (as a JSON string)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the offending field."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,7 @@ from minisgl.utils import init_logger
 
 from ..args import ServerArgs
 from .auth import APIKeyMiddleware
+from .constraints import Constraint, requested, single
 from .errors import (
     SERVER_ERROR,
     APIError,
@@ -29,7 +31,7 @@ from .errors import (
     error_response,
     model_not_found,
 )
-from .params import Limits, chat_fan_out, chat_messages, fan_out, prompts, sampling
+from .params import Limits, Sampling, chat_fan_out, chat_messages, fan_out, prompts, sampling
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +42,7 @@ from .protocol import (
 )
 from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
 from .routing import ChoiceState, FrontendManager, Generation
+from .tools import ToolSupport, chat_template_text, detect, structural_tag, template_messages, tool_request
 from .worker_api import RequestIdMiddleware, add_worker_routes
 
 logger = init_logger(__name__, "api")
@@ -58,6 +61,13 @@ class Job:
     names: FieldNames  # the endpoint's names for the fields an error may name
 
 
+def constrain(s: Sampling, found: list[Constraint]) -> None:
+    """Put the request's one constraint (checked) on its SamplingParams."""
+    c = single(found)
+    if c is not None:
+        c.apply(s.params)
+
+
 def _check(reply: UserReply, names: FieldNames) -> None:
     """A reply that rejects the request becomes the 400 naming the field in the endpoint's words."""
     if reply.error is not None:
@@ -72,6 +82,16 @@ class OpenAIServer:
         self.created = int(time.time())
         self.limits = Limits.of(args, max_seq_len)
         self._frontend: FrontendManager | None = None
+
+    @functools.cached_property
+    def tool_support(self) -> ToolSupport:
+        """The served model's tool-call format (read from its chat template on the first request)."""
+        support = detect(chat_template_text(self.args.model_path), self.args.tool_call_parser)
+        fmt = support.fmt.name if support.fmt is not None else "none"
+        logger.info(
+            f"tool calls: {fmt} format, {'rendered by' if support.native else 'added to'} the template"
+        )
+        return support
 
     @property
     def frontend(self) -> FrontendManager:
@@ -183,14 +203,29 @@ class OpenAIServer:
         use_completion = req.max_completion_tokens is not None
         names = FieldNames("messages", "max_completion_tokens" if use_completion else "max_tokens")
         max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
+        support = self.tool_support
+        tr = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, support)
+        messages, template_tools = template_messages(messages, tr, support)
         s = sampling(req, max_tokens, names, bool(req.logprobs), top)
+        found = requested(req, req.response_format)
+        tag = structural_tag(tr, support.fmt) if tr is not None and support.fmt is not None else None
+        if tag is not None:
+            if found:
+                raise APIError(
+                    f"'{found[0].param}' cannot be combined with a 'tool_choice' that forces a call",
+                    found[0].param,
+                    "invalid_value",
+                )
+            found = [Constraint("structural_tag", tag, "tool_choice")]
+        constrain(s, found)
         self.frontend.metrics.requests.labels("chat").inc()
-        msgs = chat_fan_out(messages, s, self.limits)
+        msgs = chat_fan_out(messages, s, self.limits, template_tools)
         renderer = ChatRenderer(
             model,
             f"chatcmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=bool(req.logprobs),
+            tool_format=support.fmt if tr is not None and tr.parses else None,
         )
         return await self.run(request, Job(renderer, msgs, [0] * s.n, bool(req.stream), names))
 
@@ -204,6 +239,7 @@ class OpenAIServer:
             raise APIError(f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value")
         names = FieldNames("prompt")
         s = sampling(req, req.max_tokens, names, req.logprobs is not None, req.logprobs or 0)
+        constrain(s, requested(req, req.response_format))
         self.frontend.metrics.requests.labels("completions").inc()
         msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = CompletionRenderer(
@@ -226,6 +262,7 @@ class OpenAIServer:
             raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
         names = FieldNames(param, "max_new_tokens")
         s = sampling(sp, max_new, names, False, 0)
+        constrain(s, requested(sp, None))
         self.frontend.metrics.requests.labels("generate").inc()
         msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
