@@ -8,6 +8,7 @@ layers read what they need (positions, attention metadata) from it.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,15 +81,32 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this once the token occurs in the output
     repetition_penalty: float = 1.0  # vLLM/HF, over prompt + output: > 1 discourages repeats; 1 is off
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
-    # constrained decoding (xgrammar), at most one per request: a JSON Schema (as a JSON string), a regular
-    # expression, an EBNF grammar, or an xgrammar structural tag (as a JSON string)
-    json_schema: str | None = None
+    # constrained decoding (at most one; minisgl/grammar.py): the output must match it, and the request
+    # stops ("stop") once it is complete
+    json_schema: str | None = None  # a JSON Schema as JSON text (a dict is accepted and dumped)
     regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
+    ebnf: str | None = None  # an xgrammar (GBNF-style) EBNF grammar with a `root` rule
+    structural_tag: str | None = None  # xgrammar's structural tag as JSON text (a dict is dumped)
+
+    def __post_init__(self) -> None:
+        for name in ("json_schema", "structural_tag"):  # messages carry the text, not the object
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, json.dumps(value))
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's constraint (kind is the field's name), or None."""
+        for kind in GRAMMAR_FIELDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     def validate(self) -> None:
-        """Raise InvalidRequest naming the offending field."""
+        """Raise InvalidRequest naming the offending field. Constraints are only type-checked here;
+        minisgl.grammar.check_grammar parses them."""
+        _validate_grammar_fields(self)
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise InvalidRequest(f"'max_tokens' must be at least 1, got {self.max_tokens!r}", "max_tokens")
         t = self.temperature
@@ -121,6 +139,23 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def _validate_grammar_fields(params: SamplingParams) -> None:
+    given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    for name in given:
+        if not isinstance(getattr(params, name), str):
+            raise InvalidRequest(
+                f"'{name}' must be a string, got {type(getattr(params, name)).__name__}", name
+            )
+    if len(given) > 1:
+        names = " and ".join(f"'{n}'" for n in given)
+        raise InvalidRequest(
+            f"at most one of {names} may be given (each constrains the whole output)", given[0]
+        )
 
 
 def _is_real(value: Any) -> bool:
@@ -169,6 +204,9 @@ class Req:
     max_total_len: int = 0  # prompt + max_tokens, capped by the model's maximum length
     arrival: int = 0  # admission order; the newest running request is retracted first
     cached_prompt_len: int = 0  # prompt tokens the prefix cache held at first admission (usage reports it)
+    # minisgl.grammar.RequestGrammar of a constrained request once its grammar is compiled: the matcher
+    # has accepted every generated token (kept through retraction; dropped when the request ends)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -206,6 +244,9 @@ class Batch:
     sample_table_idx: torch.Tensor | None = None  # [num_sampled]
     sample_pos: torch.Tensor | None = None  # [num_sampled] position of the sampled token
     sampling_info: Any = None  # engine/sampler.py SamplingInfo
+    # the sampled rows (indices among them) under a grammar; their token masks are filled just before
+    # sampling (minisgl/grammar.py). None: no constrained row, the plain path
+    grammar_rows: list[int] | None = None
     padded_size: int = 0  # batch size after padding for a CUDA graph (decode only)
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import torch
 from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
+from minisgl.grammar import TokenMask, apply_token_mask
 from minisgl.kernel import StoredWeight
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
@@ -41,6 +42,15 @@ class ForwardOutput:
 
     def wait(self) -> None:
         self.copy_done.synchronize()
+
+
+@dataclass
+class Logits:
+    """What `Engine.forward` launched: the sampled rows' logits [S, V] on the device, and a decode
+    graph's greedy tokens of them (already in the token pool), None elsewhere."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None = None
 
 
 def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
@@ -276,22 +286,35 @@ class Engine:
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         """Run the model on `batch`, sample, write the sampled tokens into the token pool, start the
         host copy. Returns immediately on a GPU (nothing here waits for the device)."""
+        return self.sample(batch, self.forward(batch))
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> Logits:
+        """The first half of `forward_batch`: launch the model on `batch` up to the sampled rows' logits
+        (a decode graph also writes its greedy tokens into the token pool). The scheduler calls the
+        halves apart when the batch has rows under a grammar: their masks need the previous step's tokens."""
         set_global_ctx(self.ctx)  # the layers read this engine's Context, even if another was built since
-        info = batch.sampling_info
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             out = self.graph_runner.replay(batch)  # the greedy tokens are in the token pool already
-            logits, next_tokens = out.logits[: batch.size], out.tokens[: batch.size]
-            if not info.all_greedy:
-                next_tokens = self._sample(logits, batch)
-        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-            logits = self.prefill_graphs.replay(batch)
-            next_tokens = self._sample(logits, batch)
+            return Logits(out.logits[: batch.size], out.tokens[: batch.size])
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return Logits(self.prefill_graphs.replay(batch))
+        self.prepare_inputs(batch)
+        self.attn_backend.prepare_metadata(batch)
+        hidden = self._run_model(batch)
+        hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
+        return Logits(self.model.compute_logits(hidden))
+
+    @torch.inference_mode()
+    def sample(self, batch: Batch, fwd: Logits, mask: TokenMask | None = None) -> ForwardOutput:
+        """The second half of `forward_batch`: sample from `fwd`'s logits (after `mask`, the allowed
+        tokens of the rows under a grammar), write the tokens into the token pool, start the host copy."""
+        info, logits = batch.sampling_info, fwd.logits
+        if mask is not None:
+            apply_token_mask(logits, mask)  # in place: the logprobs are those of the masked rows too
+        if fwd.greedy is not None and info.all_greedy and mask is None:
+            next_tokens = fwd.greedy
         else:
-            self.prepare_inputs(batch)
-            self.attn_backend.prepare_metadata(batch)
-            hidden = self._run_model(batch)
-            hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
-            logits = self.model.compute_logits(hidden)
             next_tokens = self._sample(logits, batch)
         buf, slot = self._host_tokens.take(next_tokens.numel())
         host = buf[: next_tokens.numel()]

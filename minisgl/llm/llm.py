@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.grammar import check_grammar
 from minisgl.models import ModelConfig
 from minisgl.scheduler import Scheduler, SchedulerConfig, StepOutput
 from minisgl.utils import init_logger
@@ -118,7 +119,11 @@ class LLM:
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; returns one dict per prompt, in order: `text`, `token_ids` (the
         generated ids), `finish_reason`, `prompt_tokens`; with `logprobs=True` also `logprobs` (per token) and,
-        with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs).
+        with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs); `error` when a request
+        ended with finish_reason "error".
+
+        A SamplingParams with `json_schema`, `regex`, `ebnf` or `structural_tag` constrains its output
+        (minisgl/grammar.py): it ends with "stop" once the constraint is complete.
 
         A bad request raises InvalidRequest (a ValueError) naming the field, with the service's rules and
         messages: a prompt plus `max_tokens` beyond the maximum sequence length is rejected, and
@@ -137,6 +142,7 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for ids, p in zip(encoded, params):  # reject bad input before anything is queued
             self.scheduler.validate(ids, p)
+            self._check_grammar(p)
         uids = [next(self._uids) for _ in prompts]
         index = {uid: i for i, uid in enumerate(uids)}
         outputs: list[dict[str, Any]] = [
@@ -150,11 +156,14 @@ class LLM:
                 if res.uid not in index:
                     continue
                 out = outputs[index[res.uid]]
-                out["token_ids"].append(res.token_id)
+                if res.token_id >= 0:  # -1: the request ended with no token (an error)
+                    out["token_ids"].append(res.token_id)
                 if res.logprob is not None:
                     out.setdefault("logprobs", []).append(res.logprob)
                 if res.top_logprobs is not None:
                     out.setdefault("top_logprobs", []).append(res.top_logprobs)
+                if res.error is not None:
+                    out["error"] = res.error
                 if res.finished:
                     out["finish_reason"] = str(res.finish_reason)  # the plain value, as before
                     remaining -= 1
@@ -163,6 +172,12 @@ class LLM:
         for out in outputs:
             out["text"] = self.decode(out["token_ids"])
         return outputs
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        if params.grammar is not None and self.tokenizer is None:
+            kind = params.grammar[0]
+            raise InvalidRequest(f"'{kind}' needs the model's tokenizer; this model has none", kind)
+        check_grammar(params)
 
     # ---- the scheduler of every rank -------------------------------------------------------------
     def add_request(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:

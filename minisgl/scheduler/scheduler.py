@@ -3,7 +3,11 @@
 One `step()` with overlap scheduling: prepare and launch step N, then (while the device computes it)
 process the results of step N-1. Decode input tokens come from the device token pool, so step N can be
 prepared before step N-1's tokens reach the host. A token computed for a request that finished in the
-meantime is discarded, never reported."""
+meantime is discarded, never reported.
+
+A step with rows under a grammar (scheduler/grammar.py) needs, for their token masks, the tokens of step
+N-1: the engine's forward of step N is launched first, then step N-1 is processed (its tokens advance the
+matchers), then the masks are filled and step N samples. A step with no constrained row runs as before."""
 
 from __future__ import annotations
 
@@ -13,14 +17,16 @@ import numpy as np
 import torch
 
 from minisgl.core import Batch, FinishReason, InvalidRequest, Phase, Req, SamplingParams
-from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, SamplingInfo
+from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, Logits, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, create_stream, current_stream, use_stream
+from minisgl.utils.hf import load_tokenizer
 
 from .cache import CacheManager
 from .config import SchedulerConfig
 from .decode import DecodeManager
+from .grammar import GrammarManager
 from .prefill import PrefillManager, PrefillPlan
 from .table import TableManager
 
@@ -36,6 +42,7 @@ class StepOutput:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache (Req.cached_prompt_len)
+    error: str | None = None  # why a request ended with FinishReason.ERROR (token_id -1: no token)
 
 
 class Scheduler:
@@ -52,6 +59,13 @@ class Scheduler:
         self.cache = CacheManager(self.engine.num_pages, self.page_size, config.cache_type)
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
         self.decode = DecodeManager()
+        self.grammar = GrammarManager(
+            lambda: load_tokenizer(self.engine.model_dir),
+            self.vocab_size,
+            lambda: sorted(self.eos_token_ids),  # read at the first compilation: the LLM adds the tokenizer's
+            self.device,
+            blocking=config.tp_info.size > 1,
+        )
         self.reqs: dict[int, Req] = {}
         # the engine computes on this stream; batches are prepared on the current one
         self.stream = create_stream(self.device)
@@ -109,20 +123,26 @@ class Scheduler:
         # a request alone must always fit in the pool, or retraction could not make progress
         req.max_total_len = min(len(input_ids) + max_tokens, self.max_seq_len, self.pool_tokens)
         self.reqs[uid] = req
-        self.prefill.add(req)
+        if params.grammar is not None:
+            self.grammar.add(req)  # joins the prefill queue once its grammar is compiled
+        else:
+            self.prefill.add(req)
 
     def abort_request(self, uid: int) -> bool:
         """Drop a request in any state; its slot and KV are returned at once. False if unknown."""
         req = self.reqs.get(uid)
         if req is None:
             return False
-        if self.prefill.remove(uid) is None:
+        if self.grammar.remove(uid):
+            pass  # still compiling: holds nothing yet
+        elif self.prefill.remove(uid) is None:
             if self.prefill.chunked is req:
                 self.prefill.chunked = None
             elif req in self.decode.running:
                 self.decode.remove(req)
             self._release(req)
         req.finished, req.finish_reason = True, FinishReason.ABORT
+        self.grammar.release(req)
         self.reqs.pop(uid, None)
         logger.info(f"Aborted request {uid}")
         return True
@@ -136,17 +156,28 @@ class Scheduler:
             or self.decode.running
             or self._in_flight
             or self._pending_outputs
+            or self.grammar.compiling
         )
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one step; returns the tokens that became known (the previous step's with overlap)."""
+        if self.grammar.compiling:
+            self._admit_compiled()
         batch = self._schedule()
-        out = self._launch(batch) if batch is not None else None
+        out = fwd = None
+        if batch is not None and batch.grammar_rows is not None:
+            fwd = self._launch_forward(batch)  # its masks need the tokens of the step in flight
+        elif batch is not None:
+            out = self._launch(batch)
         results, self._pending_outputs = self._pending_outputs, []
         if self._in_flight is not None:
             results += self._process(*self._in_flight)
             self._in_flight = None
+        if fwd is not None:
+            out = self._launch_sample(batch, fwd)
+        if batch is None and not results and self.grammar.compiling:
+            self.grammar.wait(0.05)  # nothing to run until a grammar is compiled: do not spin
         if out is not None:
             if self.overlap:
                 self._in_flight = (batch, out)
@@ -160,6 +191,28 @@ class Scheduler:
         self.stream.wait_stream(current_stream(self.device))
         with use_stream(self.stream):
             return self.engine.forward_batch(batch)
+
+    def _launch_forward(self, batch: Batch) -> Logits:
+        self.last_batch_size = batch.size
+        self.max_batch_size = max(self.max_batch_size, batch.size)
+        self.stream.wait_stream(current_stream(self.device))
+        with use_stream(self.stream):
+            return self.engine.forward(batch)
+
+    def _launch_sample(self, batch: Batch, fwd: Logits) -> ForwardOutput:
+        """Sample a batch with constrained rows, the matchers up to date: their masks, then the engine."""
+        with use_stream(self.stream):
+            return self.engine.sample(batch, fwd, self.grammar.mask(batch))
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is compiled; end those whose grammar failed with an error."""
+        ready, failed = self.grammar.ready()
+        for req in ready:
+            self.prefill.add(req)
+        for req, error in failed:
+            req.finished, req.finish_reason = True, FinishReason.ERROR
+            self.reqs.pop(req.uid, None)
+            self._pending_outputs.append(StepOutput(req.uid, -1, True, FinishReason.ERROR, error=error))
 
     def _drain(self) -> None:
         """Process the step in flight now (before a retraction needs exact host state)."""
@@ -300,6 +353,7 @@ class Scheduler:
             batch.logits_idx = lidx_t.long()
         sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
         batch.sampling_info = SamplingInfo.build(sampled, sample_pos, self.vocab_size, self.device)
+        batch.grammar_rows = self.grammar.rows(sampled)
 
     # ---- results ---------------------------------------------------------------------------------
     def _process(self, batch: Batch, out: ForwardOutput) -> list[StepOutput]:
@@ -316,8 +370,10 @@ class Scheduler:
                 continue
             token = tokens[j]
             req.token_ids.append(token)
-            finish = self._finish_reason(req, token)
+            finish, error = self._grammar_finish(req, token) if req.grammar is not None else (None, None)
+            finish = finish or self._finish_reason(req, token)
             res = StepOutput(req.uid, token, finish is not None, finish, cached_tokens=req.cached_prompt_len)
+            res.error = error
             if logprobs is not None and req.sampling_params.logprobs:
                 res.logprob = float(logprobs[0][j])
                 k = req.sampling_params.top_logprobs
@@ -328,8 +384,16 @@ class Scheduler:
                 req.finished, req.finish_reason = True, finish
                 self.decode.remove(req)
                 self._release(req)
+                self.grammar.release(req)
                 self.reqs.pop(req.uid, None)
         return results
+
+    def _grammar_finish(self, req: Req, token: int) -> tuple[FinishReason | None, str | None]:
+        """Advance the request's matcher: STOP once its grammar is complete (and ended by a stop token)."""
+        if not req.grammar.accept_token(token):  # the mask allowed only what the matcher accepts
+            logger.error(f"request {req.uid}: token {token} was sampled outside its grammar")
+            return FinishReason.ERROR, f"token {token} was sampled outside the request's grammar"
+        return (FinishReason.STOP, None) if req.grammar.is_terminated() else (None, None)
 
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
@@ -372,4 +436,5 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._in_flight = None
+        self.grammar.shutdown()
         self.engine.shutdown()

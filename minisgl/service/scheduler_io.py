@@ -118,6 +118,7 @@ class SchedulerIO:
                         out.logprob,
                         out.top_logprobs,
                         cached_tokens=out.cached_tokens,
+                        error=out.error,
                     )
                 )
         outputs, self.outbox = self.outbox + outputs, []

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from minisgl.core import FinishReason, InvalidRequest
+from minisgl.grammar import check_grammar
 from minisgl.message import (
     AbortMsg,
     BatchDetokenizeMsg,
@@ -100,6 +101,7 @@ class PromptTokenizer:
             raise InvalidRequest(f"{what} must be in [0, {self.vocab_size})", param)
 
     def _tokenize(self, msg: TokenizeMsg) -> None:
+        check_grammar(msg.sampling_params)  # a bad schema or grammar is the client's 400, here
         input_ids = self._ids(msg)
         if not input_ids:
             raise InvalidRequest("the prompt is empty after tokenization", "prompt")

@@ -2,8 +2,8 @@
 `structural_tag` and vLLM's `guided_*` fields -> the one SamplingParams constraint field they ask for,
 checked by parsing it with xgrammar (HTTP 400 naming the request's field when it does not parse).
 
-The grammar itself is compiled and applied by the scheduler; this only decides which constraint a request
-asks for. `json_object` is the JSON Schema `{"type": "object"}` rather than xgrammar's built-in JSON
+The grammar itself is compiled and applied by the scheduler (minisgl/grammar.py, whose parser checks it
+here too); this only decides which constraint a request asks for and names the field in errors. `json_object` is the JSON Schema `{"type": "object"}` rather than xgrammar's built-in JSON
 grammar: OpenAI's JSON mode promises an object (the built-in grammar also allows arrays and scalars), and
 it then shares the schema path (and its cache) with every other schema.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import SamplingParams
+from minisgl.grammar import parse_grammar
 
 from .errors import APIError
 from .protocol import ResponseFormat, SamplingBody
@@ -120,18 +121,10 @@ def single(found: list[Constraint]) -> Constraint | None:
 
 @functools.lru_cache(maxsize=256)
 def _parse(kind: str, value: str) -> str | None:
-    """xgrammar's error for a constraint (None when it parses). Cached: clients repeat their schemas."""
-    import xgrammar as xgr  # a few seconds to import: only once a request is constrained
-
+    """xgrammar's error for a constraint (None when it parses), as the scheduler will compile it. Cached:
+    clients repeat their schemas."""
     try:
-        if kind == "json_schema":
-            xgr.Grammar.from_json_schema(value)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(value)
-        elif kind == "ebnf":
-            xgr.Grammar.from_ebnf(value)
-        else:
-            xgr.Grammar.from_structural_tag(value)
+        parse_grammar(kind, value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors...
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return None
