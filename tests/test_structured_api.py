@@ -169,7 +169,7 @@ def test_required_streams_the_calls_as_openai_does(client):
 def test_a_named_function_is_the_one_called(client):
     named = {"type": "function", "function": {"name": "add"}}
     messages = [{"role": "user", "content": "What is 20 plus 22?"}]
-    r = chat(client, messages, tools=[WEATHER, ADD], tool_choice=named, max_tokens=40)
+    r = chat(client, messages, tools=[WEATHER, ADD], tool_choice=named, max_tokens=80)
     assert r.choices[0].finish_reason == "tool_calls"
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["add"]
     assert_valid_calls(r.choices[0].message)

@@ -42,7 +42,7 @@ from .protocol import (
 )
 from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
 from .routing import ChoiceState, FrontendManager, Generation
-from .tools import ToolSupport, chat_template_text, detect, structural_tag, template_messages, tool_request
+from .tools import ToolSupport, chat_template_text, detect, template_messages, tool_request, with_tool_grammar
 from .worker_api import RequestIdMiddleware, add_worker_routes
 
 logger = init_logger(__name__, "api")
@@ -207,17 +207,7 @@ class OpenAIServer:
         tr = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, support)
         messages, template_tools = template_messages(messages, tr, support)
         s = sampling(req, max_tokens, names, bool(req.logprobs), top)
-        found = requested(req, req.response_format)
-        tag = structural_tag(tr, support.fmt) if tr is not None and support.fmt is not None else None
-        if tag is not None:
-            if found:
-                raise APIError(
-                    f"'{found[0].param}' cannot be combined with a 'tool_choice' that forces a call",
-                    found[0].param,
-                    "invalid_value",
-                )
-            found = [Constraint("structural_tag", tag, "tool_choice")]
-        constrain(s, found)
+        constrain(s, with_tool_grammar(requested(req, req.response_format), tr, support))
         self.frontend.metrics.requests.labels("chat").inc()
         msgs = chat_fan_out(messages, s, self.limits, template_tools)
         renderer = ChatRenderer(

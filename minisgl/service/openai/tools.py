@@ -19,6 +19,7 @@ from typing import Any
 
 from minisgl.utils import init_logger
 
+from .constraints import Constraint, check
 from .errors import APIError
 from .tool_parser import HERMES, LLAMA3, TOOL_FORMATS, ToolFormat
 
@@ -48,6 +49,8 @@ class ToolSupport:
 
 def chat_template_text(model_path: str) -> str:
     """The model's chat template as text (every named template of a tokenizer that has several)."""
+    if not model_path:
+        return ""
     try:
         with open(os.path.join(model_path, "chat_template.jinja")) as f:
             return f.read()
@@ -126,8 +129,6 @@ def _check_tool(i: int, tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             f'\'{where}.function.parameters\' must be a JSON Schema of an object ({{"type": "object", ...}})',
             f"{where}.function.parameters",
         )
-    from .constraints import Constraint, check  # the schema must be one xgrammar can enforce
-
     check(Constraint("json_schema", json.dumps(params), f"{where}.function.parameters"))
     return name, {"type": "function", "function": dict(fn, parameters=params)}
 
@@ -207,6 +208,20 @@ def structural_tag(tr: ToolRequest, fmt: ToolFormat) -> str | None:
         tags=tags, separator=fmt.separator, at_least_one=True, stop_after_first=not tr.parallel
     )
     return StructuralTag(format=calls).model_dump_json()
+
+
+def with_tool_grammar(
+    found: list[Constraint], tr: ToolRequest | None, support: ToolSupport
+) -> list[Constraint]:
+    """The request's constraints, or the one that enforces its forced call: a forced call leaves no room
+    for another constraint (HTTP 400 naming that one)."""
+    tag = structural_tag(tr, support.fmt) if tr is not None and support.fmt is not None else None
+    if tag is None:
+        return found
+    if found:
+        param = found[0].param
+        raise _bad(f"'{param}' cannot be combined with a 'tool_choice' that forces a call", param)
+    return [Constraint("structural_tag", tag, "tool_choice")]
 
 
 def _hermes_calls(content: str, tool_calls: list[dict[str, Any]]) -> str:
