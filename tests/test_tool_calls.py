@@ -1,7 +1,8 @@
 """Tool calling without a service: the parsers against hand-written model outputs (Hermes and Llama 3 forms,
 streamed piece by piece as well as whole), the prompt a template without tool support gets (against a
 hand-built string), the format found from a template, the checks of `tools` / `tool_choice`, the
-structural tag that enforces a call (against xgrammar's own matcher), and the request's constraint fields.
+structural tag that enforces a call (against xgrammar's own matcher), the request's constraint fields, and
+the chat renderer's chunks and bodies.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from minisgl.core import SamplingParams
-from minisgl.message import TokenizeMsg
+from minisgl.message import TokenizeMsg, UserReply
 from minisgl.service.openai.constraints import requested, single
 from minisgl.service.openai.errors import APIError
 from minisgl.service.openai.protocol import ChatCompletionRequest, CompletionRequest
+from minisgl.service.openai.render import ChatRenderer
+from minisgl.service.openai.routing import ChoiceState
 from minisgl.service.openai.tool_parser import (
     HERMES,
     LLAMA3,
@@ -200,6 +203,12 @@ NATIVE_TEMPLATE = (
 )
 
 
+def test_a_history_of_calls_without_tools_keeps_the_system_message_as_it_is():
+    messages, _ = template_messages(TOOL_EXCHANGE, None, CHATML)
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert messages[2]["content"].startswith("Checking.\n<tool_call>\n")
+
+
 def test_a_template_with_tool_support_renders_the_tools_itself(tokenizer):
     support = detect(NATIVE_TEMPLATE, "hermes")
     assert support.native and support.fmt is HERMES
@@ -328,3 +337,65 @@ def test_each_constraint_field_becomes_its_sampling_params_field_and_a_bad_one_n
         assert e.value.param == param, (body, e.value.message)
     req = CompletionRequest.model_validate({"prompt": "x", "regex": "[0-9]+"})
     assert single(requested(req, req.response_format)).kind == "regex"
+
+
+# ---- the chat renderer ------------------------------------------------------------------------------------
+def sse_deltas(frames: list[bytes]) -> list[dict]:
+    """The choices of every SSE frame, in order."""
+    out = []
+    for frame in frames:
+        for line in frame.decode().split("\n\n"):
+            if line.startswith("data: "):
+                out += json.loads(line[len("data: ") :])["choices"]
+    return out
+
+
+def test_two_streamed_choices_each_get_their_own_calls_in_openai_chunks():
+    r = ChatRenderer("m", "chatcmpl-0", tool_format=HERMES)
+    choices = [ChoiceState(0, 10, 0), ChoiceState(1, 11, 0)]
+    texts = [HERMES_OUT, '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 6}}\n</tool_call>']
+    frames = []
+    for k in range(0, max(map(len, texts)), 3):  # the two choices' pieces interleaved, as they arrive
+        for c, text in zip(choices, texts):
+            if text[k : k + 3]:
+                frames.append(r.stream_delta(c, UserReply(c.uid, text[k : k + 3]), 0) or b"")
+    for c in choices:
+        c.finish_reason = "stop"
+        frames.append(r.stream_finish(c))
+    deltas = sse_deltas(frames)
+    for index, text in enumerate(texts):
+        mine = [d for d in deltas if d["index"] == index]
+        content = "".join(d["delta"].get("content", "") for d in mine)
+        calls: dict[int, dict] = {}
+        for d in mine:
+            for tc in d["delta"].get("tool_calls", []):
+                if tc["index"] not in calls:
+                    assert (
+                        set(tc) == {"index", "id", "type", "function"} and tc["function"]["arguments"] == ""
+                    )
+                    calls[tc["index"]] = dict(tc["function"])
+                else:
+                    assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                    calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
+        expected_content, expected_calls = parse_tool_calls(text, HERMES)
+        assert content.strip() == (expected_content or "") and "<tool_call>" not in content
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (t.name, t.arguments) for t in expected_calls
+        ]
+        assert mine[-1]["finish_reason"] == "tool_calls" and mine[-1]["delta"] == {}
+
+
+def test_the_full_reply_holds_the_calls_and_the_text_outside_them():
+    r = ChatRenderer("m", "chatcmpl-0", tool_format=HERMES)
+    c = ChoiceState(0, 1, 0, text=HERMES_OUT, finish_reason="stop")
+    message = r._final(c)["message"]
+    assert message["content"] == "Let me look that up."
+    assert [(t["type"], t["function"]["name"]) for t in message["tool_calls"]] == [
+        ("function", "get_weather"),
+        ("function", "add"),
+    ]
+    assert r._final(c)["finish_reason"] == "tool_calls"
+    c.finish_reason = "length"  # cut short: the client must know it
+    assert r._final(c)["finish_reason"] == "length"
+    plain = ChoiceState(0, 1, 0, text="just text", finish_reason="stop")
+    assert r._final(plain)["message"] == {"role": "assistant", "content": "just text"}

@@ -237,7 +237,7 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
     calls and results, in plain {role, content} messages."""
     block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
     out: list[dict[str, Any]] = []
-    if messages[0]["role"] == "system":
+    if tools and messages[0]["role"] == "system":
         first = messages[0]["content"]
         out.append({"role": "system", "content": f"{first}\n\n{block}" if first else block})
         messages = messages[1:]
