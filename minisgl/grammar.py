@@ -18,6 +18,7 @@ xgrammar is imported on first use: a process that never sees a constraint never 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 JSON_SEPARATORS = (", ", ": ")
 MAX_GRAMMAR_CHARS = 1 << 20  # a constraint's text; far beyond any real schema or grammar
 MAX_CACHED = 256  # compiled constraints kept (each holds per-token tables of the vocabulary)
+BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
 _WHAT = {
     "json_schema": "JSON schema",
     "regex": "regular expression",
@@ -139,19 +141,24 @@ def new_matcher(compiled: Any) -> Any:
 @dataclass
 class TokenMask:
     """A batch's allowed tokens on the device: `bits` [n, ceil(V/32)] int32, one row per constrained
-    sampled row; `rows` [n] their indices among the sampled rows (None: every sampled row, in order)."""
+    sampled row; `rows` [n] their indices among the sampled rows (None: every sampled row, in order),
+    on the device and (`host_rows`) as a list."""
 
     bits: torch.Tensor
     rows: torch.Tensor | None
+    host_rows: list[int]
 
 
 class TokenMasks:
-    """Fills the token bitmasks of a batch's constrained rows on the host, through pinned buffers."""
+    """Fills the token bitmasks of a batch's constrained rows on the host, through pinned buffers. With
+    a GPU, many rows are filled by xgrammar's thread pool (on a CPU the cores run the model)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.width = (vocab_size + 31) // 32
         self.device = device
         self._ring = HostRing(device)
+        self.threads = 1 if device.type == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
+        self._batch: Any = None  # xgrammar BatchGrammarMatcher, made at the first large batch
 
     def fill(self, reqs: list[Req], rows: list[int], num_sampled: int) -> TokenMask:
         """The mask of sampled rows `rows` (their requests `reqs`, in order) of a batch sampling
@@ -159,25 +166,38 @@ class TokenMasks:
         n = len(rows)
         buf, slot = self._ring.take(n * self.width)
         bits = buf[: n * self.width].view(n, self.width)
+        live = []
         for k, req in enumerate(reqs):
             if req.finished or req.grammar is None:
                 bits[k].fill_(-1)
             else:
-                req.grammar.fill_next_token_bitmask(bits, k)
+                live.append(k)
+        if self.threads > 1 and len(live) >= BATCH_FILL_MIN:
+            if self._batch is None:
+                self._batch = _xgr().BatchGrammarMatcher(self.threads)
+            self._batch.batch_fill_next_token_bitmask([reqs[k].grammar for k in live], bits, live)
+        else:
+            for k in live:
+                reqs[k].grammar.fill_next_token_bitmask(bits, k)
         dev = bits.to(self.device, non_blocking=True)
         self._ring.used(slot)  # the buffer is handed out again once this copy is done
         every = n == num_sampled  # rows are ascending and distinct: all of them means 0..n-1
-        index = None if every else torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return TokenMask(dev, index)
+        index = None
+        if not every and self.device.type != "cpu":
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return TokenMask(dev, index, list(range(n)) if every else rows)
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
     """Set the logits of the tokens a constrained row may not take to -inf, in place (xgrammar's kernel:
     Triton on a GPU, C++ on a CPU); the other rows are untouched."""
-    apply = _xgr().apply_token_bitmask_inplace
-    if mask.rows is None:
-        apply(logits, mask.bits, vocab_size=logits.shape[-1])
-        return
-    sub = logits.index_select(0, mask.rows)
-    apply(sub, mask.bits, vocab_size=logits.shape[-1])
-    logits.index_copy_(0, mask.rows, sub)
+    apply, width = _xgr().apply_token_bitmask_inplace, logits.shape[-1]
+    if len(mask.host_rows) == logits.shape[0]:
+        apply(logits, mask.bits, vocab_size=width)
+    elif logits.device.type == "cpu":  # row by row on views: no copy of the logits
+        for k, row in enumerate(mask.host_rows):
+            apply(logits[row], mask.bits[k], vocab_size=width)
+    else:  # one kernel over the constrained rows, gathered
+        sub = logits.index_select(0, mask.rows)
+        apply(sub, mask.bits, vocab_size=width)
+        logits.index_copy_(0, mask.rows, sub)

@@ -13,6 +13,7 @@ import re
 import httpx
 import jsonschema
 import pytest
+import torch
 import xgrammar as xgr
 from helpers import TINY_SPECS, TinySpec, build_tiny_model, make_llm, random_prompt, serving, tiny_llm_kwargs
 
@@ -38,6 +39,18 @@ SCHEMA = {
 }
 REGEX = r"(yes|no) [0-9]{2,4}"
 EBNF = 'root ::= "[" num ("," num)? "]"\nnum ::= [0-9] [0-9]?'
+# xgrammar's structural tag (what tool calling uses): literal tags around a constrained part
+TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": "<a>"},
+            {"type": "regex", "pattern": "(yes|no)"},
+            {"type": "const_string", "value": "</a>"},
+        ],
+    },
+}
 PROMPTS = [[5, 17, 99, 3], [250, 12, 7, 7, 40, 41, 300], [1, 2, 3], [399, 398]]
 
 
@@ -91,6 +104,8 @@ def _compile(compiler, kind: str, text: str):
         return compiler.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))
     if kind == "regex":
         return compiler.compile_regex(text)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(text)
     return compiler.compile_grammar(text)
 
 
@@ -108,6 +123,8 @@ def check_output(reference, params: SamplingParams, out: dict) -> None:
         jsonschema.validate(json.loads(body), SCHEMA)
     elif kind == "regex":
         assert re.fullmatch(REGEX, body), body
+    elif kind == "structural_tag":
+        assert re.fullmatch(r"<a>(yes|no)</a>", body), body
     else:
         assert re.fullmatch(r"\[[0-9]{1,2}(,[0-9]{1,2})?\]", body), body
 
@@ -118,7 +135,8 @@ def constrained_params() -> list[SamplingParams]:
     kinds = [{"json_schema": SCHEMA}, {"regex": REGEX}, {"ebnf": EBNF}]
     greedy = [SamplingParams(**k, **common) for k in kinds]
     sampled = [SamplingParams(**k, temperature=1.0, seed=11 + i, **common) for i, k in enumerate(kinds)]
-    return [*greedy, *sampled, SamplingParams(json_schema=SCHEMA, temperature=1.0, seed=3, **common)]
+    tag = SamplingParams(structural_tag=TAG, temperature=1.0, seed=5, **common)
+    return [*greedy, *sampled, SamplingParams(json_schema=SCHEMA, temperature=1.0, seed=3, **common), tag]
 
 
 CONFIGS = {
@@ -191,6 +209,7 @@ BAD = [
     ({"ebnf": 'start ::= "a"'}, "ebnf"),  # no root rule
     ({"json_schema": SCHEMA, "regex": REGEX}, "json_schema"),
     ({"regex": 5}, "regex"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}}, "structural_tag"),
 ]
 
 
@@ -240,3 +259,34 @@ def test_constrained_decode_on_cuda_with_graphs(model_dir, reference):
         assert llm.scheduler.engine.graph_runner.replays > 0
     for params, out in zip(constrained, outs):
         check_output(reference, params, out)
+
+
+def _mask_reference(logits, allowed: dict[int, set[int]]):
+    out = logits.clone()
+    for row, ids in allowed.items():
+        keep = torch.zeros(logits.shape[1], dtype=torch.bool)
+        keep[sorted(ids)] = True
+        out[row][~keep.to(logits.device)] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_token_mask_sets_exactly_the_disallowed_logits_of_its_rows(device, rows):
+    """The bitmask as xgrammar lays it out (bit i % 32 of word i // 32), applied to some rows of a batch,
+    against a hand-built boolean mask; the other rows are untouched."""
+    from minisgl.grammar import TokenMask, apply_token_mask
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=g).to(device)
+    width = (VOCAB + 31) // 32
+    allowed = {r: set(torch.randint(0, VOCAB, (50,), generator=g).tolist()) for r in rows}
+    bits = torch.zeros(len(rows), width, dtype=torch.int64)
+    for k, r in enumerate(rows):
+        for t in allowed[r]:
+            bits[k, t // 32] |= 1 << (t % 32)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).to(device)
+    index = torch.tensor(rows, device=device) if len(rows) < 4 else None
+    expected = _mask_reference(logits, allowed)
+    apply_token_mask(logits, TokenMask(bits, index, rows))
+    assert torch.equal(logits.cpu(), expected.cpu())

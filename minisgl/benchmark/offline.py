@@ -5,6 +5,7 @@
     python -m minisgl.benchmark.offline --workload shared-prefix --cache radix,naive
     python -m minisgl.benchmark.offline --workload w1 --model qwen3-0.6b --load-format dummy   # GPU
     python -m minisgl.benchmark.offline --workload w2 --model qwen3-0.6b --load-format dummy   # GPU
+    python -m minisgl.benchmark.offline --workload w3 --constrained-fraction 0.25  # a quarter under a schema
 
 Workloads (random token ids from one seeded generator; every request ignores EOS and produces exactly its
 output length; throughput = output tokens / wall time of the generate call, after a warm-up):
@@ -12,6 +13,9 @@ output length; throughput = output tokens / wall time of the generate call, afte
   w2  1 request, 128 prompt tokens, 256 output tokens (GPU single-request latency)
   w3  32 requests, prompts and outputs of 32..256 tokens (CPU offline throughput)
   shared-prefix  64 requests = one common 512-token system prompt + 16..64 own tokens, 32 output tokens each
+--constrained-fraction F gives that fraction of the requests (spread evenly) the fixed JSON schema
+BENCH_SCHEMA; such a request ends when its JSON is complete, so it may produce fewer tokens than its
+length, and throughput counts the tokens generated (the unconstrained ones' own rate is printed too).
 Comma-separated values of --cache-type (--cache) and --overlap run each configuration in turn (a fresh
 engine each). --model also takes qwen3-0.6b / qwen3-8b, shape-only configs (with --load-format dummy); the
 other flags are LLM's options (minisgl/engine/config.py, minisgl/scheduler/config.py).
@@ -21,6 +25,7 @@ threads otherwise slow both down several times, and by different amounts."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -29,6 +34,27 @@ from dataclasses import dataclass
 from typing import Any
 
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+# --constrained-fraction's schema: a small object of typed fields, as an application would ask for
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "email": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "tags", "active"],
+}
+
+
+def constrain(params: list, fraction: float) -> tuple[list, list[bool]]:
+    """`params` with BENCH_SCHEMA given to int(n * fraction) of the n requests, spread evenly; and which."""
+    import dataclasses
+
+    rows = [int((i + 1) * fraction) > int(i * fraction) for i in range(len(params))]
+    schema = json.dumps(BENCH_SCHEMA)
+    return [dataclasses.replace(p, json_schema=schema) if c else p for p, c in zip(params, rows)], rows
 
 
 @dataclass
@@ -114,7 +140,9 @@ def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, An
         warm = warmup_workload(min(vocab - 1, 10000))
         llm.generate(warm.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in warm.outputs])
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.outputs]
-        times, computed = [], []
+        params, rows = constrain(params, args.constrained_fraction)
+        plain_tokens = sum(n for n, c in zip(workload.outputs, rows) if not c)
+        times, computed, generated = [], [], []
         for _ in range(args.repeat):
             # every timed run starts from an empty prefix cache, as a fresh engine would
             cm = llm.scheduler.cache
@@ -127,14 +155,18 @@ def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, An
             times.append(time.perf_counter() - t0)
             after = llm.stats()
             computed.append(after["computed_prompt_tokens"] - before["computed_prompt_tokens"])
-            got = sum(len(o["token_ids"]) for o in outs)
-            if got != workload.output_tokens:
-                raise RuntimeError(f"generated {got} tokens, expected {workload.output_tokens}")
+            got = sum(len(o["token_ids"]) for o, c in zip(outs, rows) if not c)
+            if got != plain_tokens:
+                raise RuntimeError(f"generated {got} unconstrained tokens, expected {plain_tokens}")
+            generated.append(sum(len(o["token_ids"]) for o in outs))
         stats = llm.stats()
         return {
             "seconds": statistics.median(times),
             "all_seconds": times,
             "computed_prompt_tokens": int(statistics.median(computed)),
+            "generated_tokens": int(statistics.median(generated)),
+            "plain_tokens": plain_tokens,
+            "constrained": sum(rows),
             "load_seconds": load_s,
             "device": str(engine.device),
             "dtype": str(engine.dtype).replace("torch.", ""),
@@ -167,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-requests", type=int, default=None, help="only the first N requests of the workload"
     )
     ap.add_argument("--repeat", type=int, default=1, help="timed runs; the median is reported")
+    ap.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        help="fraction (0..1) of the requests constrained by a fixed JSON schema",
+    )
     defaults = {"overlap": "on", "show_progress": False}
     options.add_flags(ap, SchedulerConfig, defaults=defaults, lists=("cache_type", "overlap"))
     return ap
@@ -189,6 +227,8 @@ def runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if not 0.0 <= args.constrained_fraction <= 1.0:
+        ap.error("--constrained-fraction must be in [0, 1]")
     configs = runs(args, ap)
     workload = get_workload(args.workload, args.num_requests)
     print(
@@ -198,12 +238,17 @@ def main(argv: list[str] | None = None) -> None:
     for config in configs:
         cache, overlap = config["cache_type"], config["overlap"]
         r = run_once(args, workload, config)
-        tok_s = workload.output_tokens / r["seconds"]
+        tok_s = r["generated_tokens"] / r["seconds"]
         where = (
             f"model={r['arch']} {r['dtype']} on {r['device']}"
             + (f" ({r['threads']} threads)" if r["threads"] else "")
             + f", attn={r['attn']}, cache={cache}, overlap={overlap}"
         )
+        if r["constrained"]:
+            where += (
+                f", {r['constrained']} requests constrained (unconstrained ones: "
+                f"{r['plain_tokens'] / r['seconds']:.1f} tok/s)"
+            )
         spread = (
             ""
             if len(r["all_seconds"]) == 1
@@ -224,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         else:
             print(
-                f"{workload.name} minisgl: {tok_s:.1f} tok/s ({workload.output_tokens} output tokens in "
+                f"{workload.name} minisgl: {tok_s:.1f} tok/s ({r['generated_tokens']} output tokens in "
                 f"{r['seconds']:.2f} s{spread}; max batch {r['max_batch_size']}, "
                 f"retractions {r['retractions']}) | {where}",
                 flush=True,

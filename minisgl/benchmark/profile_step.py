@@ -2,6 +2,7 @@
 
 python -m minisgl.benchmark.profile_step --model qwen3-0.6b --batch 256 --context 600
 python -m minisgl.benchmark.profile_step --batch 256 --min-context 400 --context 1400   # a spread of lengths
+python -m minisgl.benchmark.profile_step --model PATH --batch 256 --constrained  # every row under a schema
 Prints the wall time per step, the CPU time of scheduling / result processing, and the top device kernels
 (torch.profiler) for a few steps."""
 
@@ -31,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill", action="store_true", help="profile one prefill step instead")
     ap.add_argument("--timeline", action="store_true", help="run W1 and summarise every step instead")
+    ap.add_argument(
+        "--constrained",
+        action="store_true",
+        help="decode: every request under LONG_STRING_SCHEMA (a model with a tokenizer: not a shape config)",
+    )
     # by default bf16 random weights of qwen3-0.6b's shapes
     defaults = {
         "model_path": "qwen3-0.6b",
@@ -42,12 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# --constrained's schema: one string of at least 100k characters, so no request can complete its JSON during
+# the measured steps (the batch stays full), with the mask of a JSON string (nearly every token allowed)
+LONG_STRING_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 100_000}},
+    "required": ["text"],
+}
+
+
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
     if args.timeline:
         return timeline(args)
     llm = _make_llm(args, max_running_req=max(args.batch, 1))  # unless --max-running-req says otherwise
+    if args.constrained and llm.tokenizer is None:
+        raise SystemExit("--constrained needs a model with a tokenizer (not a shape-only config)")
     s = llm.scheduler
     random.seed(0)
     if args.prefill:  # profile the first prefill step (after a warm-up request)
@@ -93,13 +110,14 @@ def main() -> None:
         return
     random.seed(0)
     lo = args.context if args.min_context is None else args.min_context
+    schema = LONG_STRING_SCHEMA if args.constrained else None
     for i in range(args.batch):
         s.add_request(
             i,
             [random.randint(0, 10000) for _ in range(random.randint(lo, args.context))],
-            SamplingParams(max_tokens=args.steps + 50, ignore_eos=True),
+            SamplingParams(max_tokens=args.steps + 50, ignore_eos=True, json_schema=schema),
         )
-    while s.prefill.waiting or s.prefill.chunked:
+    while s.prefill.waiting or s.prefill.chunked or s.grammar.compiling:
         s.step()
     for _ in range(5):
         s.step()
@@ -125,7 +143,8 @@ def main() -> None:
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / args.steps
     print(
-        f"batch {args.batch}, context ~{lo}..{args.context}: {wall * 1e3:.2f} ms/step "
+        f"batch {args.batch}{' constrained' if args.constrained else ''}, context ~{lo}..{args.context}: "
+        f"{wall * 1e3:.2f} ms/step "
         f"({args.batch / wall:.0f} tok/s); CPU per step: "
         + ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in timers.items())
     )

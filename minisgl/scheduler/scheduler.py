@@ -414,7 +414,7 @@ class Scheduler:
         used = self.num_total_pages - self.cache.num_free
         s.update(
             num_running=len(self.decode.running) + (1 if self.prefill.chunked else 0),
-            num_waiting=len(self.prefill.waiting),
+            num_waiting=len(self.prefill.waiting) + len(self.grammar.compiling),
             kv_used_pages=used,
             kv_total_pages=self.num_total_pages,
             kv_cached_pages=self.cache.cache.cached_pages,
