@@ -23,6 +23,7 @@ class TokenizeMsg:
     input_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, applied by the detokenizer
     max_tokens_auto: bool = False  # max_tokens is only a ceiling (see UserMsg)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions for the chat template's `tools`
 
 
 @serializable

@@ -49,6 +49,13 @@ class ServerArgs(SchedulerConfig):
         "whole body (else HTTP 408); an idle keep-alive connection is closed after 5 s",
         min=0.1,
     )
+    tool_call_parser: str = option(
+        "auto",
+        help="how the model writes tool calls (rendered for its chat template, parsed from its output): "
+        "hermes (= qwen25, qwen3: <tool_call> JSON), llama3 (= llama3_json); auto: found from the chat "
+        "template (a ChatML template without tool support gets hermes)",
+        choices=["auto", "hermes", "qwen25", "qwen3", "llama3", "llama3_json"],
+    )
     shell: bool = option(False, help="chat in the terminal instead of serving HTTP")
     dp_size: int = option(
         1,

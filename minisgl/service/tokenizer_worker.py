@@ -89,7 +89,7 @@ class PromptTokenizer:
             self.send_detokenizer.put(BatchDetokenizeMsg([error]))
 
     def _ids(self, msg: TokenizeMsg) -> list[int]:
-        key = (msg.text, msg.messages, msg.input_ids)
+        key = (msg.text, msg.messages, msg.input_ids, msg.tools)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         ids = self.mgr.tokenize(msg)

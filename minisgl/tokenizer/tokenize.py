@@ -22,8 +22,10 @@ class TokenizeManager:
                 raise ValueError(
                     "this model's tokenizer has no chat template: use /v1/completions with a prompt"
                 )
+            # `tools` only when the request has them: a template that reads it then renders them
+            extra = {"tools": msg.tools} if msg.tools else {}
             text = self.tokenizer.apply_chat_template(
-                msg.messages, tokenize=False, add_generation_prompt=True
+                msg.messages, tokenize=False, add_generation_prompt=True, **extra
             )
             return list(self.tokenizer.encode(text, add_special_tokens=False))  # the template has BOS if any
         assert msg.text is not None, "a TokenizeMsg carries text, messages or input_ids"

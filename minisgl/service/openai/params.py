@@ -9,6 +9,7 @@ and the Scheduler's, the same as the offline path's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.message import TokenizeMsg
 
 from .errors import APIError, FieldNames
-from .protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, SamplingBody
+from .protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, SamplingBody, ToolCall
 
 if TYPE_CHECKING:
     from ..args import ServerArgs
@@ -168,8 +169,9 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, str]]:
-    """The messages as the chat template takes them (text parts joined, `developer` read as `system`)."""
+def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (text parts joined, `developer` read as `system`, an
+    assistant's `tool_calls` with their arguments as objects, as the templates expect)."""
     if not req.messages:
         raise APIError("'messages' must not be empty", "messages", "invalid_value")
     if len(req.messages) > limits.context:
@@ -194,15 +196,41 @@ def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, 
             content = "".join(p.text or "" for p in m.content)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    limits.check_text("".join(m["content"] for m in out), "messages")  # the template adds little
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            msg["tool_calls"] = _tool_calls(m.tool_calls, i)
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    calls = "".join(c.function.arguments for m in req.messages for c in m.tool_calls or [])
+    limits.check_text("".join(m["content"] for m in out) + calls, "messages")  # the template adds little
     return out
 
 
-def chat_fan_out(messages: list[dict[str, str]], s: Sampling, limits: Limits) -> list[TokenizeMsg]:
-    """One TokenizeMsg per choice of a chat."""
+def _tool_calls(calls: list[ToolCall], i: int) -> list[dict[str, Any]]:
+    """An assistant's calls for the template: `arguments` parsed (the templates write them with tojson)."""
+    out = []
+    for j, c in enumerate(calls):
+        try:
+            args = json.loads(c.function.arguments)
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            param = f"messages[{i}].tool_calls"
+            raise APIError(f"'{param}[{j}].function.arguments' must be a JSON object", param, "invalid_value")
+        call = {"type": "function", "function": {"name": c.function.name, "arguments": args}}
+        out.append(dict(call, id=c.id) if c.id is not None else call)
+    return out
+
+
+def chat_fan_out(
+    messages: list[dict[str, Any]], s: Sampling, limits: Limits, tools: list[dict[str, Any]] | None = None
+) -> list[TokenizeMsg]:
+    """One TokenizeMsg per choice of a chat (`tools`: for a template that renders them)."""
     limits.check_sequences(1, s.n)
-    return [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop) for i in range(s.n)]
+    return [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop, tools=tools) for i in range(s.n)]
 
 
 def prompts(value: Any, param: str, limits: Limits) -> list[Prompt]:

@@ -58,6 +58,16 @@ class SamplingBody(_Body):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
+    # constrained decoding, at most one per request: SGLang's fields (a JSON Schema as a string or an
+    # object, a regex, an EBNF grammar, an xgrammar structural tag) and vLLM's `guided_*` names for them
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -72,11 +82,36 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    """The function of an assistant's tool call: its name and its arguments (a JSON string)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """One tool call of an assistant message."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    """One chat message."""
+    """One chat message; an assistant's may hold `tool_calls`, a `tool` message answers `tool_call_id`."""
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    """`response_format`: text, json_object, json_schema ({name, schema, strict}) or structural_tag."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -86,6 +121,10 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None  # checked by tools.py, naming the bad part
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingBody):
@@ -94,6 +133,7 @@ class CompletionRequest(SamplingBody):
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     logprobs: Int64 | None = None
     echo: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class GenerateRequest(_Body):
@@ -130,6 +170,10 @@ TYPE_HINTS = {  # what a field must be, for the error message
     "text": "a string or a list of strings",
     "input_ids": "a list of token ids or a list of token-id lists",
     "logit_bias": "an object mapping token ids to numbers",
+    "response_format": "an object {type: text | json_object | json_schema, ...}",
+    "tools": "a list of {type: function, function: {name, description, parameters}} objects",
+    "tool_choice": 'one of "auto", "none", "required" or {type: function, function: {name}}',
+    "tool_calls": "a list of {id, type: function, function: {name, arguments}} objects",
 }
 
 
@@ -139,16 +183,13 @@ def _is_off(value: Any) -> bool:
 
 # OpenAI chat / completions fields not implemented here, and the values that mean "not used" (accepted).
 # Accepted as no-ops (they change nothing a client can see): user, metadata, store, service_tier,
-# prompt_cache_key, safety_identifier, parallel_tool_calls (no tools), stream_options.include_obfuscation.
+# prompt_cache_key, safety_identifier, stream_options.include_obfuscation.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,  # several candidates ranked by logprob: not implemented
     "suffix": _is_off,  # insertion (fill-in-the-middle)
     "echo": _is_off,  # the prompt echoed in the completion
-    "tools": _is_off,
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": _is_off,
+    "functions": _is_off,  # the deprecated form of `tools`
     "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": _is_off,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _is_off,
@@ -157,10 +198,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _is_off,
     "min_p": lambda v: v is None or v == 0,  # vLLM extensions seen often
     "min_tokens": lambda v: v is None or v == 0,
-    "guided_json": _is_off,
-    "guided_regex": _is_off,
-    "guided_choice": _is_off,
-    "guided_grammar": _is_off,
 }
 
 

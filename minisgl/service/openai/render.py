@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from minisgl.message import TokenLogprob, UserReply
 
 from .routing import ChoiceState, Generation
+from .tool_parser import CallArgs, CallStart, Event, Text, ToolCallParser, ToolFormat, parse_tool_calls
 
 
 def sse(obj: Any) -> bytes:
@@ -127,11 +129,66 @@ class _OpenAIRenderer(Renderer):
         return body
 
 
+def call_id() -> str:
+    """A tool call's id, as OpenAI writes them."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish_reason(c: ChoiceState, called: bool) -> str | None:
+    # a turn that ended by itself after calling tools asks for their results; "length" stays: cut short
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
+@dataclass
 class ChatRenderer(_OpenAIRenderer):
-    """/v1/chat/completions: `chat.completion` bodies, deltas after an opening role chunk."""
+    """/v1/chat/completions: `chat.completion` bodies, deltas after an opening role chunk. With
+    `tool_format`, tool calls are read out of each choice's text (`message.tool_calls`, streamed as
+    `delta.tool_calls` with the arguments in pieces) and never reach `content`."""
 
     OBJECT = "chat.completion"
     CHUNK_OBJECT = "chat.completion.chunk"
+    tool_format: ToolFormat | None = None
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, while streaming
+
+    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
+        if self.tool_format is None:
+            return super().stream_delta(c, reply, offset)
+        parser = self.parsers.setdefault(c.index, ToolCallParser(self.tool_format))
+        lps = reply.logprobs if self.logprobs else None
+        return self._tool_chunks(c, parser.feed(reply.text), lps)
+
+    def stream_finish(self, c: ChoiceState) -> bytes | None:
+        if self.tool_format is None:
+            return super().stream_finish(c)
+        parser = self.parsers.setdefault(c.index, ToolCallParser(self.tool_format))
+        rest = self._tool_chunks(c, parser.finish(), None) or b""
+        reason = _finish_reason(c, parser.count > 0)
+        return rest + self._chunk(
+            [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+        )
+
+    def _tool_chunks(
+        self, c: ChoiceState, events: list[Event], lps: list[TokenLogprob] | None
+    ) -> bytes | None:
+        """One chunk per event (text, a call's opening, a piece of its arguments); the reply's logprobs
+        ride on the first (on an empty delta when the reply's text was all held back)."""
+        deltas: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, Text):
+                deltas.append({"content": e.text})
+            elif isinstance(e, CallStart):
+                fn = {"name": e.name, "arguments": ""}
+                call = {"index": e.index, "id": call_id(), "type": "function", "function": fn}
+                deltas.append({"tool_calls": [call]})
+            elif isinstance(e, CallArgs):
+                deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+        if lps and not deltas:
+            deltas.append({})
+        chunks = [
+            {"index": c.index, "delta": d, "logprobs": chat_logprobs(lps) if lps and k == 0 else None}
+            for k, d in enumerate(deltas)
+        ]
+        return b"".join(self._chunk([dict(ch, finish_reason=None)]) for ch in chunks) or None
 
     def stream_start(self, gen: Generation) -> list[bytes]:
         opening = {"role": "assistant", "content": ""}
@@ -147,11 +204,20 @@ class ChatRenderer(_OpenAIRenderer):
         return {"index": c.index, "delta": delta, "logprobs": chat_logprobs(lps) if lps else None}
 
     def _final(self, c: ChoiceState) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        calls = []
+        if self.tool_format is not None:
+            message["content"], calls = parse_tool_calls(c.text, self.tool_format)
+        if calls:
+            message["tool_calls"] = [
+                {"id": call_id(), "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+                for t in calls
+            ]
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": chat_logprobs(c.logprobs) if self.logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": _finish_reason(c, bool(calls)),
         }
 
 

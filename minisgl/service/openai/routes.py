@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,12 +16,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from minisgl.core import GRAMMAR_FIELDS, InvalidRequest, SamplingParams
 from minisgl.message import TokenizeMsg, UserReply
 from minisgl.utils import init_logger
 
 from ..args import ServerArgs
 from .auth import APIKeyMiddleware
+from .constraints import Constraint, requested, single
 from .errors import (
     SERVER_ERROR,
     APIError,
@@ -31,7 +31,7 @@ from .errors import (
     error_response,
     model_not_found,
 )
-from .params import Limits, chat_fan_out, chat_messages, fan_out, prompts, sampling
+from .params import Limits, Sampling, chat_fan_out, chat_messages, fan_out, prompts, sampling
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +42,7 @@ from .protocol import (
 )
 from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
 from .routing import ChoiceState, FrontendManager, Generation
+from .tools import ToolSupport, chat_template_text, detect, template_messages, tool_request, with_tool_grammar
 from .worker_api import RequestIdMiddleware, add_worker_routes
 
 logger = init_logger(__name__, "api")
@@ -60,6 +61,13 @@ class Job:
     names: FieldNames  # the endpoint's names for the fields an error may name
 
 
+def constrain(s: Sampling, found: list[Constraint]) -> None:
+    """Put the request's one constraint (checked) on its SamplingParams."""
+    c = single(found)
+    if c is not None:
+        c.apply(s.params)
+
+
 def _check(reply: UserReply, names: FieldNames) -> None:
     """A reply that rejects the request becomes the 400 naming the field in the endpoint's words."""
     if reply.error is not None:
@@ -74,6 +82,16 @@ class OpenAIServer:
         self.created = int(time.time())
         self.limits = Limits.of(args, max_seq_len)
         self._frontend: FrontendManager | None = None
+
+    @functools.cached_property
+    def tool_support(self) -> ToolSupport:
+        """The served model's tool-call format (read from its chat template on the first request)."""
+        support = detect(chat_template_text(self.args.model_path), self.args.tool_call_parser)
+        fmt = support.fmt.name if support.fmt is not None else "none"
+        logger.info(
+            f"tool calls: {fmt} format, {'rendered by' if support.native else 'added to'} the template"
+        )
+        return support
 
     @property
     def frontend(self) -> FrontendManager:
@@ -185,14 +203,19 @@ class OpenAIServer:
         use_completion = req.max_completion_tokens is not None
         names = FieldNames("messages", "max_completion_tokens" if use_completion else "max_tokens")
         max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
+        support = self.tool_support
+        tr = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, support)
+        messages, template_tools = template_messages(messages, tr, support)
         s = sampling(req, max_tokens, names, bool(req.logprobs), top)
+        constrain(s, with_tool_grammar(requested(req, req.response_format), tr, support))
         self.frontend.metrics.requests.labels("chat").inc()
-        msgs = chat_fan_out(messages, s, self.limits)
+        msgs = chat_fan_out(messages, s, self.limits, template_tools)
         renderer = ChatRenderer(
             model,
             f"chatcmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=bool(req.logprobs),
+            tool_format=support.fmt if tr is not None and tr.parses else None,
         )
         return await self.run(request, Job(renderer, msgs, [0] * s.n, bool(req.stream), names))
 
@@ -206,6 +229,7 @@ class OpenAIServer:
             raise APIError(f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value")
         names = FieldNames("prompt")
         s = sampling(req, req.max_tokens, names, req.logprobs is not None, req.logprobs or 0)
+        constrain(s, requested(req, req.response_format))
         self.frontend.metrics.requests.labels("completions").inc()
         msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = CompletionRenderer(
@@ -228,7 +252,7 @@ class OpenAIServer:
             raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
         names = FieldNames(param, "max_new_tokens")
         s = sampling(sp, max_new, names, False, 0)
-        s.params = _native_constraint(sp, s.params, names)
+        constrain(s, requested(sp, None))
         self.frontend.metrics.requests.labels("generate").inc()
         msgs, index = fan_out(prompt_list, s, self.limits)
         renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
@@ -247,23 +271,6 @@ class OpenAIServer:
 
     def v1_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card(n) for n in self.args.model_names]}
-
-
-def _native_constraint(sp: SamplingBody, params: SamplingParams, names: FieldNames) -> SamplingParams:
-    """`params` with the constraint of /generate's sampling_params, under SGLang's names (`json_schema`,
-    `regex`, `ebnf`, `structural_tag`); a dict schema is taken as is. The tokenizer worker parses it."""
-    extra = sp.model_extra or {}
-    values = {n: getattr(sp, n, None) for n in GRAMMAR_FIELDS}  # declared fields, if the body has them
-    given = {n: extra.get(n) if v is None else v for n, v in values.items()}
-    given = {n: v for n, v in given.items() if v is not None}
-    if not given:
-        return params
-    params = dataclasses.replace(params, **given)
-    try:
-        params.validate()
-    except InvalidRequest as e:
-        raise names.error(e.message, e.param) from None
-    return params
 
 
 def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True) -> FastAPI:
