@@ -70,6 +70,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = -1  # -1: no limit
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one; 0 is off
     max_tokens: int | None = 1024  # None: up to the context
     ignore_eos: bool = False
     seed: int | None = None
@@ -90,6 +91,8 @@ class SamplingParams:
             raise InvalidRequest(f"'temperature' must be >= 0, got {t!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"'top_p' must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"'min_p' must be in [0, 1], got {self.min_p!r}", "min_p")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
             raise InvalidRequest(f"'top_k' must be -1 (no limit) or >= 1, got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
