@@ -170,8 +170,8 @@ def sample(logits: torch.Tensor, rows) -> torch.Tensor:
     vocab = x.shape[-1]
     m, greedy = x.max(dim=-1)
     t = torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    e = torch.exp((x - m[:, None]) / t)
-    floor = m[:, None] + t * torch.log(rows.min_p)[:, None]  # min_p 0: -inf
+    e = torch.exp((x - m[:, None]) * (1.0 / t))  # as the kernel rounds it
+    floor = torch.where(rows.min_p > 0, m + t[:, 0] * torch.log(rows.min_p), float("-inf"))[:, None]
     keep = (x > float("-inf")) & (x >= floor)
     if rows.truncate:
         keep = keep & _top_k_top_p(x, e, keep, rows)

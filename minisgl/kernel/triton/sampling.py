@@ -114,9 +114,11 @@ def _sample_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr
     base = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(temp_ptr + row)
     sampled = t > 0.0
-    scale = 1.0 / tl.where(sampled, t, 1.0)
+    t = tl.where(sampled, t, 1.0)
+    scale = 1.0 / t
     m, tok, lowest = _stats(base, V, BLOCK)
-    floor = m + tl.log(tl.load(min_p_ptr + row)) / scale  # min_p 0: -inf, no floor
+    min_p = tl.load(min_p_ptr + row)
+    floor = tl.where(min_p > 0.0, m + t * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))  # 0: no floor
     lo = lowest - (1.0 + tl.abs(lowest)) * 0.001  # below every finite token
     k = tl.load(top_k_ptr + row)
     lo = _bisect(base, V, lo, m, k.to(tl.float32), sampled & (k > 0) & (k < V), floor, m, scale, False, BLOCK,
