@@ -65,39 +65,52 @@ def _stats(base, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _pivot_pass(base, V, lo, hi, floor, m, scale, MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
+def _pivot_pass(base, V, lo, hi, zlo, floor, m, scale, MASS: tl.constexpr, BLOCK: tl.constexpr,
+                PIVOTS: tl.constexpr):
     """One pass over the row: at PIVOTS points evenly inside (lo, hi), the count (MASS False) or the
-    probability mass (MASS True, unnormalised: exp((x - max) / T)) of the tokens strictly above; and the
-    smallest and largest value inside (lo, hi]."""
+    probability mass (MASS True, unnormalised: exp((x - max) / T)) of the tokens strictly above; the
+    smallest and largest value inside (lo, hi]; and (MASS) the mass above zlo (+inf: not wanted). A block
+    wholly at or below both adds to none of them and is skipped after its load (most of a peaked row,
+    once lo has risen)."""
     offs0 = tl.arange(0, BLOCK)
     piv = lo + (hi - lo) * ((tl.arange(0, PIVOTS) + 1).to(tl.float32) / (PIVOTS + 1))
     acc = tl.zeros([PIVOTS, BLOCK], tl.float32)
+    z = tl.zeros([BLOCK], tl.float32)
     amin = tl.full([BLOCK], float("inf"), tl.float32)
     amax = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         x = _load(base, start + offs0, V, floor)
-        above = x[None, :] > piv[:, None]
-        if MASS:
-            acc += tl.where(above, tl.exp((x - m) * scale)[None, :], 0.0)
-        else:
-            acc += above.to(tl.float32)
-        inside = (x > lo) & (x <= hi)
-        amin = tl.minimum(amin, tl.where(inside, x, float("inf")))
-        amax = tl.maximum(amax, tl.where(inside, x, float("-inf")))
-    return piv, tl.sum(acc, 1), tl.min(amin, 0), tl.max(amax, 0)
+        if tl.max(x, 0) > tl.minimum(lo, zlo):
+            above = x[None, :] > piv[:, None]
+            if MASS:
+                e = tl.exp((x - m) * scale)
+                z += tl.where(x > zlo, e, 0.0)
+                acc += tl.where(above, e[None, :], 0.0)
+            else:
+                acc += above.to(tl.float32)
+            inside = (x > lo) & (x <= hi)
+            amin = tl.minimum(amin, tl.where(inside, x, float("inf")))
+            amax = tl.maximum(amax, tl.where(inside, x, float("-inf")))
+    return piv, tl.sum(acc, 1), tl.min(amin, 0), tl.max(amax, 0), tl.sum(z, 0)
 
 
 @triton.jit
-def _bisect(base, V, lo, hi, target, active, floor, m, scale, MASS: tl.constexpr, BLOCK: tl.constexpr,
+def _bisect(base, V, lo, hi, target, zlo, active, floor, m, scale, MASS: tl.constexpr, BLOCK: tl.constexpr,
             PIVOTS: tl.constexpr, MAX_ITERS: tl.constexpr):
-    """The bracket (lo, hi] narrowed around the boundary: the count (or mass) above lo stays >= target and
-    above hi stays < target. Keeping x > lo is exact once one distinct value at most is left inside."""
+    """The bracket (lo, hi] narrowed around the boundary: the count (or mass) above lo stays >= the goal
+    and above hi stays < it. The goal is `target` (a count), or with MASS `target` times the mass above
+    zlo (top-p's share of what min-p and top-k kept, summed in the first pass). Keeping x > lo is exact
+    once one distinct value at most is left inside."""
     it = 0
+    goal = target
     go = active
     while go:
-        piv, above, amin, amax = _pivot_pass(base, V, lo, hi, floor, m, scale, MASS, BLOCK, PIVOTS)
+        zlo_now = tl.where(it == 0, zlo, float("inf"))  # the kept mass, in the first pass only
+        piv, above, amin, amax, z = _pivot_pass(base, V, lo, hi, zlo_now, floor, m, scale, MASS, BLOCK, PIVOTS)
+        if MASS:
+            goal = tl.where(it == 0, target * z, goal)
         many = amin < amax  # two distinct values inside: not resolved yet
-        ok = above >= target  # the pivots low enough (non-increasing "above": a prefix of the pivots)
+        ok = above >= goal  # the pivots low enough (non-increasing "above": a prefix of the pivots)
         lo = tl.where(many, tl.max(tl.where(ok, piv, lo), 0), lo)
         hi = tl.where(many, tl.min(tl.where(ok, hi, piv), 0), hi)
         it += 1
@@ -121,19 +134,14 @@ def _sample_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr
     floor = tl.where(min_p > 0.0, m + t * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))  # 0: no floor
     lo = lowest - (1.0 + tl.abs(lowest)) * 0.001  # below every finite token
     k = tl.load(top_k_ptr + row)
-    lo = _bisect(base, V, lo, m, k.to(tl.float32), sampled & (k > 0) & (k < V), floor, m, scale, False, BLOCK,
-                 PIVOTS, MAX_ITERS)
+    lo = _bisect(base, V, lo, m, k.to(tl.float32), lo, sampled & (k > 0) & (k < V), floor, m, scale, False,
+                 BLOCK, PIVOTS, MAX_ITERS)
     p = tl.load(top_p_ptr + row)
-    if sampled & (p < 1.0):
-        offs0 = tl.arange(0, BLOCK)
-        z = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            x = _load(base, start + offs0, V, floor)
-            z += tl.where(x > lo, tl.exp((x - m) * scale), 0.0)
-        kept = tl.sum(z, 0)  # >= 1: the max token is kept
-        # tokens below this carry less than half of the (1 - p) mass top-p drops: the boundary lies above
-        lo = tl.maximum(lo, m + tl.log((1.0 - p) / (2.0 * V)) / scale)
-        lo = _bisect(base, V, lo, m, p * kept, True, floor, m, scale, True, BLOCK, PIVOTS, MAX_ITERS)
+    # tokens below this carry less than half of the (1 - p) mass top-p drops (what is kept has mass >= 1,
+    # the max token's): the boundary lies above it, so the bracket starts there
+    start_p = tl.maximum(lo, m + tl.log(tl.maximum((1.0 - p) / (2.0 * V), 1e-30)) / scale)
+    lo = _bisect(base, V, start_p, m, p, lo, sampled & (p < 1.0), floor, m, scale, True, BLOCK, PIVOTS,
+                 MAX_ITERS)
     if sampled:
         k0, k1 = _row_keys(tl.load(seed_ptr + row), tl.load(counter_ptr + row), tl.load(step_ptr))
         offs0 = tl.arange(0, BLOCK)
@@ -142,13 +150,15 @@ def _sample_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr
         for start in range(0, V, BLOCK):
             offs = start + offs0
             x = _load(base, offs, V, floor)
-            h = _mix32(_mix32(offs.to(tl.uint32) * 0x9E3779B9 + k0) ^ k1)
-            v = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32
-            noise = tl.where(v < 0.015625, v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25))), -tl.log(1.0 - v))
-            score = tl.where(x > lo, tl.exp((x - m) * scale) / noise, -1.0)
-            better = score > best
-            best_i = tl.where(better, offs, best_i)
-            best = tl.where(better, score, best)
+            if tl.max(x, 0) > lo:  # the noise of a block with no kept token is never looked at
+                h = _mix32(_mix32(offs.to(tl.uint32) * 0x9E3779B9 + k0) ^ k1)
+                v = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32
+                noise = tl.where(v < 0.015625, v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25))),
+                                 -tl.log(1.0 - v))
+                score = tl.where(x > lo, tl.exp((x - m) * scale) / noise, -1.0)
+                better = score > best
+                best_i = tl.where(better, offs, best_i)
+                best = tl.where(better, score, best)
         top = tl.max(best, 0)
         tok = tl.min(tl.where(best == top, best_i, V), 0)
     tl.store(out_ptr + row, tok)
