@@ -27,7 +27,7 @@ def _rows(s: int, seed: int):
     from test_sampling_kernels import _random_rows
 
     rows = _random_rows(s, VOCAB, seed)
-    return rows._replace(**{f: getattr(rows, f).cuda() for f in rows._fields if f != "truncate"})
+    return rows._replace(**{f: x.cuda() for f, x in rows._asdict().items() if isinstance(x, torch.Tensor)})
 
 
 @pytest.mark.parametrize("batch", [1, 32, 256])

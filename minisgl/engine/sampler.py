@@ -188,12 +188,12 @@ class SamplingInfo:
             # all_greedy: the argmax of the raw logits (inside the decode graph) is every row's token;
             # a penalised greedy row needs the argmax of its processed logits instead
             return cls(all_greedy=penalties is None, top_logprobs=top_logprobs, penalties=penalties)
-        floats, ints, truncate = _pack(params, positions, vocab_size)
+        floats, ints, has_top_k, has_top_p = _pack(params, positions, vocab_size)
         f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
         i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
         return cls(
             all_greedy=False,
-            rows=rows_of(f, i, None, truncate),
+            rows=rows_of(f, i, None, has_top_k, has_top_p),
             packed=(f, i),
             top_logprobs=top_logprobs,
             penalties=penalties,
@@ -201,10 +201,11 @@ class SamplingInfo:
 
 
 def _pack(params: list[SamplingParams], positions: list[int], vocab_size: int):
-    """([temperature, top_p, min_p], [top_k, seed, counter], whether some row truncates) as lists, in one
-    pass (this runs every step). A greedy row gets temperature 0; a seeded row's counter is its position."""
+    """([temperature, top_p, min_p], [top_k, seed, counter] as lists, whether a sampled row sets top-k,
+    top-p), in one pass (this runs every step). A greedy row gets temperature 0; a seeded row's counter is
+    its position."""
     temps, top_ps, min_ps, ks, seeds, counters = [], [], [], [], [], []
-    truncate = False
+    has_top_k = has_top_p = False
     for i, (p, pos) in enumerate(zip(params, positions)):
         greedy = p.temperature == 0.0 or p.top_k == 1  # SamplingParams.is_greedy, inlined
         temps.append(0.0 if greedy else float(p.temperature))
@@ -212,19 +213,24 @@ def _pack(params: list[SamplingParams], positions: list[int], vocab_size: int):
         min_ps.append(float(p.min_p))
         # a top_k beyond the vocabulary is no limit (and must not overflow the int64 tensor)
         ks.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
-        truncate = truncate or (not greedy and (p.top_p < 1.0 or 0 < p.top_k < vocab_size))
+        has_top_k = has_top_k or (not greedy and 0 < p.top_k < vocab_size)
+        has_top_p = has_top_p or (not greedy and p.top_p < 1.0)
         seeded = p.seed is not None and not greedy
         seeds.append(_wrap64(p.seed) if seeded else 0)
         counters.append(pos if seeded else kernel_ref.UNSEEDED + i)
-    return [temps, top_ps, min_ps], [ks, seeds, counters], truncate
+    return [temps, top_ps, min_ps], [ks, seeds, counters], has_top_k, has_top_p
 
 
 def rows_of(
-    floats: torch.Tensor, ints: torch.Tensor, step_seed: torch.Tensor | None, truncate: bool = True
+    floats: torch.Tensor,
+    ints: torch.Tensor,
+    step_seed: torch.Tensor | None,
+    has_top_k: bool = True,
+    has_top_p: bool = True,
 ) -> kernel.SamplingRows:
     """SamplingRows viewing packed [3, S] float32 (temperature, top_p, min_p) and [3, S] int64 (top_k, seed,
     counter) tensors; step_seed None: drawn when the batch samples."""
-    return kernel.SamplingRows(*floats.unbind(0), *ints.unbind(0), step_seed, truncate)
+    return kernel.SamplingRows(*floats.unbind(0), *ints.unbind(0), step_seed, has_top_k, has_top_p)
 
 
 def draw_step_seed(device: torch.device) -> torch.Tensor:

@@ -58,7 +58,9 @@ class SamplingRows(NamedTuple):
     seed: torch.Tensor  # [S] int64, a seeded row's own seed
     counter: torch.Tensor  # [S] int64: a seeded row's position; >= reference.UNSEEDED: the step seed's stream
     step_seed: torch.Tensor  # [1] int64, drawn from torch's generator every step
-    truncate: bool = True  # whether some row sets top-k or top-p (False lets the reference skip its sort)
+    # whether some row sets top-k / top-p (False skips that search's passes, and the reference's sort)
+    has_top_k: bool = True
+    has_top_p: bool = True
 
 
 def use_triton(enabled: bool) -> None:

@@ -173,7 +173,7 @@ def sample(logits: torch.Tensor, rows) -> torch.Tensor:
     e = torch.exp((x - m[:, None]) * (1.0 / t))  # as the kernel rounds it
     floor = torch.where(rows.min_p > 0, m + t[:, 0] * torch.log(rows.min_p), float("-inf"))[:, None]
     keep = (x > float("-inf")) & (x >= floor)
-    if rows.truncate:
+    if rows.has_top_k or rows.has_top_p:
         keep = keep & _top_k_top_p(x, e, keep, rows)
     k0, k1 = noise_keys(rows.seed, rows.counter, rows.step_seed)
     score = torch.where(keep, e / exponential_noise(k0, k1, vocab), -1.0)
