@@ -281,7 +281,8 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
     of the new tokens, reading the input tokens from the token pool, the model, the LM head, the greedy
     token (argmax) and writing it into the token pool. A batch that samples replaces the greedy tokens
     afterwards from the graph's logits: in the size's sampling graph (capture_sampling) when the engine
-    gives a `sample` op, else (and for penalised batches) eagerly. The inputs are one [4, batch] block (DECODE_INPUTS), one copy.
+    gives a `sample` op, else (and for penalised batches) eagerly. The inputs are one [4, batch] block
+    (DECODE_INPUTS), one copy.
 
     A padding row is a complete one-token request at position 0 of the dummy row, sequence length 1, so
     it attends to exactly the key it wrote into the dummy slot."""
@@ -301,8 +302,10 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         self._sample_f = torch.zeros(3, self.max_bs, dtype=torch.float32, device=deps.device)
         self._sample_i = torch.zeros(3, self.max_bs, dtype=torch.int64, device=deps.device)
         self._step_seed = torch.zeros(1, dtype=torch.int64, device=deps.device)
-        self.sample_graphs: dict[int, torch.cuda.CUDAGraph | EmulatedGraph] = {}
-        self.sample_outputs: dict[int, SampleOutput] = {}
+        # keyed by (size, whether a row sets top-k, whether a row sets top-p): a batch without them skips
+        # those searches' launches
+        self.sample_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph | EmulatedGraph] = {}
+        self.sample_outputs: dict[tuple[int, bool, bool], SampleOutput] = {}
         self.sample_replays = 0  # sampled steps served by a sampling graph
 
     @classmethod
@@ -388,24 +391,29 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         graphs, and with them a greedy step, stay exactly as they are)."""
         start = time.perf_counter()
         for bs in sorted(self.sizes, reverse=True):
-            batch = self._buffer_batch(bs)
-            logits = self.outputs[bs].logits
-            rows = kernel.SamplingRows(
-                *self._sample_f[:, :bs].unbind(0), *self._sample_i[:, :bs].unbind(0), self._step_seed
+            for key in [(bs, k, p) for k in (False, True) for p in (False, True)]:
+                self._capture_sampling(key)
+        n = len(self.sample_graphs)
+        logger.info(f"Captured {n} sampling graphs in {time.perf_counter() - start:.1f}s")
+
+    def _capture_sampling(self, key: tuple[int, bool, bool]) -> None:
+        bs, has_top_k, has_top_p = key
+        batch = self._buffer_batch(bs)
+        logits = self.outputs[bs].logits
+        f, i = self._sample_f[:, :bs].unbind(0), self._sample_i[:, :bs].unbind(0)
+        rows = kernel.SamplingRows(*f, *i, self._step_seed, has_top_k, has_top_p)
+
+        def forward() -> SampleOutput:
+            tokens = self.deps.sample(logits, rows)
+            self.deps.token_pool[batch.table_idx, batch.positions + 1] = tokens
+            return SampleOutput(tokens)
+
+        if self.emulate:
+            self.sample_graphs[key], self.sample_outputs[key] = capture_emulated(forward)
+        else:
+            self.sample_graphs[key], self.sample_outputs[key] = capture_cuda(
+                forward, self._pool, self._stream, self.deps.device
             )
-
-            def forward(batch=batch, logits=logits, rows=rows) -> SampleOutput:
-                tokens = self.deps.sample(logits, rows)
-                self.deps.token_pool[batch.table_idx, batch.positions + 1] = tokens
-                return SampleOutput(tokens)
-
-            if self.emulate:
-                self.sample_graphs[bs], self.sample_outputs[bs] = capture_emulated(forward)
-            else:
-                self.sample_graphs[bs], self.sample_outputs[bs] = capture_cuda(
-                    forward, self._pool, self._stream, self.deps.device
-                )
-        logger.info(f"Captured {len(self.sizes)} sampling graphs in {time.perf_counter() - start:.1f}s")
 
     def can_sample(self, info: SamplingInfo) -> bool:
         """Whether a batch this runner replayed samples in its sampling graph: it samples, and sets no
@@ -424,9 +432,10 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
             self._sample_f[:, n:bs].zero_()
             self._sample_i[:, n:bs].zero_()
         self._step_seed.copy_(draw_step_seed(self.deps.device), non_blocking=True)
-        self.sample_graphs[bs].replay()
+        key = (bs, info.rows.has_top_k, info.rows.has_top_p)
+        self.sample_graphs[key].replay()
         self.sample_replays += 1
-        return self.sample_outputs[bs].tokens[:n]
+        return self.sample_outputs[key].tokens[:n]
 
 
 class PrefillGraphRunner(BaseGraphRunner[PrefillOutput]):
