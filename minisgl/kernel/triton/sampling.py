@@ -165,28 +165,29 @@ def _search_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr
     if active:
         base = x_ptr + row.to(tl.int64) * stride_x
         piv = _pivots(lo, hi, PIVOTS)
-        above = tl.zeros([PIVOTS], tl.float32)
-        z = 0.0
-        amin = float("inf")
-        amax = float("-inf")
+        # per-lane sums, reduced once at the end (a reduction per block would cost as much as the sums)
+        above = tl.zeros([PIVOTS, SUB], tl.float32)
+        z = tl.zeros([SUB], tl.float32)
+        amin = tl.full([SUB], float("inf"), tl.float32)
+        amax = tl.full([SUB], float("-inf"), tl.float32)
         for j in tl.static_range(CHUNK // SUB):
             x = _load(base, c * CHUNK + j * SUB + tl.arange(0, SUB), V, floor)
             if tl.max(x, 0) > tl.minimum(lo, zlo):  # a block wholly below adds nothing
                 gt = x[None, :] > piv[:, None]
                 if MASS:
                     e = tl.exp((x - m) * scale)
-                    z += tl.sum(tl.where(x > zlo, e, 0.0), 0)
-                    above += tl.sum(tl.where(gt, e[None, :], 0.0), 1)
+                    z += tl.where(x > zlo, e, 0.0)
+                    above += tl.where(gt, e[None, :], 0.0)
                 else:
-                    above += tl.sum(gt.to(tl.float32), 1)
+                    above += gt.to(tl.float32)
                 inside = (x > lo) & (x <= hi)
-                amin = tl.minimum(amin, tl.min(tl.where(inside, x, float("inf")), 0))
-                amax = tl.maximum(amax, tl.max(tl.where(inside, x, float("-inf")), 0))
+                amin = tl.minimum(amin, tl.where(inside, x, float("inf")))
+                amax = tl.maximum(amax, tl.where(inside, x, float("-inf")))
         part = part_out + (row * C + c) * W
-        tl.store(part + tl.arange(0, PIVOTS), above)
-        tl.store(part + PIVOTS, amin)
-        tl.store(part + PIVOTS + 1, amax)
-        tl.store(part + PIVOTS + 2, z)
+        tl.store(part + tl.arange(0, PIVOTS), tl.sum(above, 1))
+        tl.store(part + PIVOTS, tl.min(amin, 0))
+        tl.store(part + PIVOTS + 1, tl.max(amax, 0))
+        tl.store(part + PIVOTS + 2, tl.sum(z, 0))
 
 
 @triton.jit
@@ -196,12 +197,12 @@ def _draw_kernel(x_ptr, stride_x, V, temp_ptr, seed_ptr, counter_ptr, step_ptr, 
     """Program (row, c): the final bracket, then chunk c's best p / E over the kept tokens and its index."""
     gdc_begin(PDL)
     row, c = tl.program_id(0), tl.program_id(1)
-    sampled, _, scale = _temperature(temp_ptr, row)
+    sampled, _t, scale = _temperature(temp_ptr, row)
     best = tl.full([SUB], -1.0, tl.float32)
     best_i = tl.zeros([SUB], tl.int32)
     if sampled:
         m, floor = tl.load(info_ptr + row * 4), tl.load(info_ptr + row * 4 + 1)
-        lo, _, _, _ = _decide(state_in, part_in, row, C, PIVOTS, W, BLOCK_C)
+        lo, _hi, _goal, _many = _decide(state_in, part_in, row, C, PIVOTS, W, BLOCK_C)
         k0, k1 = _row_keys(tl.load(seed_ptr + row), tl.load(counter_ptr + row), tl.load(step_ptr))
         base = x_ptr + row.to(tl.int64) * stride_x
         for j in tl.static_range(CHUNK // SUB):
@@ -262,11 +263,12 @@ def sample(logits: torch.Tensor, rows, chunk: int = _CHUNK) -> torch.Tensor:
     _stats_kernel[grid](logits, logits.stride(0), v, spart, c, **shape)
     passes = [(0, False)] + [(1, False)] * ((_ITERS - 1) if rows.has_top_k else 0)
     passes += [(2, True)] + [(1, True)] * ((_ITERS - 1) if rows.has_top_p else 0)
+    search = dict(shape, num_warps=8)  # 4 tokens a thread: room for the per-lane pivot sums
     for i, (start, mass) in enumerate(passes):
         _search_kernel[grid](logits, logits.stride(0), v, rows.temperature, rows.top_p, rows.min_p, rows.top_k,
                              spart, info, state[(i + 1) % 2], state[i % 2], part[(i + 1) % 2], part[i % 2], c,
                              START=start, MASS=mass, PIVOTS=_PIVOTS, W=w, BLOCK_C=triton.next_power_of_2(c),
-                             **shape)
+                             **search)
     last = (len(passes) - 1) % 2
     _draw_kernel[grid](logits, logits.stride(0), v, rows.temperature, rows.seed, rows.counter, rows.step_seed, info,
                        state[last], part[last], dpart, c, PIVOTS=_PIVOTS, W=w, BLOCK_C=triton.next_power_of_2(c),
