@@ -70,7 +70,6 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = -1  # -1: no limit
     top_p: float = 1.0
-    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one; 0 is off
     max_tokens: int | None = 1024  # None: up to the context
     ignore_eos: bool = False
     seed: int | None = None
@@ -81,6 +80,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this once the token occurs in the output
     repetition_penalty: float = 1.0  # vLLM/HF, over prompt + output: > 1 discourages repeats; 1 is off
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
+    # keep the tokens at least min_p times as likely as the most likely one (vLLM's); 0 is off. Last, so
+    # that positional construction keeps its meaning
+    min_p: float = 0.0
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the offending field."""

@@ -264,3 +264,11 @@ def test_min_p_maps_from_the_request_body():
     with pytest.raises(APIError) as e:
         sampling(parse(SamplingBody, {"min_p": 2.0}), 4, names, False, 0)
     assert e.value.param == "min_p"
+
+
+def test_min_p_travels_through_the_message_serializer():
+    from minisgl.message import TokenizeMsg
+    from minisgl.message.serialize import dumps, loads
+
+    back = loads(dumps(TokenizeMsg(uid=1, sampling_params=SamplingParams(min_p=0.3), text="hi")))
+    assert back.sampling_params.min_p == 0.3
