@@ -113,6 +113,37 @@ def _decide(state_ptr, part_ptr, row, C, PIVOTS: tl.constexpr, W: tl.constexpr, 
 
 
 @triton.jit
+def _chunk_pass(base, c, V, lo, hi, zlo, floor, m, scale, part, MASS: tl.constexpr, CHUNK: tl.constexpr,
+                SUB: tl.constexpr, PIVOTS: tl.constexpr):
+    """Chunk c's pivot pass into `part`: at PIVOTS points evenly inside (lo, hi), the count (MASS False)
+    or the probability mass (MASS True, exp((x - max) / T)) strictly above; the smallest and largest value
+    inside (lo, hi]; and (MASS) the mass above zlo (+inf: not wanted)."""
+    piv = _pivots(lo, hi, PIVOTS)
+    # per-lane sums, reduced once at the end (a reduction per block would cost as much as the sums)
+    above = tl.zeros([PIVOTS, SUB], tl.float32)
+    z = tl.zeros([SUB], tl.float32)
+    amin = tl.full([SUB], float("inf"), tl.float32)
+    amax = tl.full([SUB], float("-inf"), tl.float32)
+    for j in tl.static_range(CHUNK // SUB):
+        x = _load(base, c * CHUNK + j * SUB + tl.arange(0, SUB), V, floor)
+        if tl.max(x, 0) > tl.minimum(lo, zlo):  # a block wholly below adds nothing
+            gt = x[None, :] > piv[:, None]
+            if MASS:
+                e = tl.exp((x - m) * scale)
+                z += tl.where(x > zlo, e, 0.0)
+                above += tl.where(gt, e[None, :], 0.0)
+            else:
+                above += gt.to(tl.float32)
+            inside = (x > lo) & (x <= hi)
+            amin = tl.minimum(amin, tl.where(inside, x, float("inf")))
+            amax = tl.maximum(amax, tl.where(inside, x, float("-inf")))
+    tl.store(part + tl.arange(0, PIVOTS), tl.sum(above, 1))
+    tl.store(part + PIVOTS, tl.min(amin, 0))
+    tl.store(part + PIVOTS + 1, tl.max(amax, 0))
+    tl.store(part + PIVOTS + 2, tl.sum(z, 0))
+
+
+@triton.jit
 def _search_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr, spart_ptr, info_ptr, state_in,
                    state_out, part_in, part_out, C, START: tl.constexpr, MASS: tl.constexpr, CHUNK: tl.constexpr,
                    SUB: tl.constexpr, PIVOTS: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -163,31 +194,8 @@ def _search_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr
     tl.store(out + 2, goal, mask=c == 0)
     tl.store(out + 3, flag, mask=c == 0)
     if active:
-        base = x_ptr + row.to(tl.int64) * stride_x
-        piv = _pivots(lo, hi, PIVOTS)
-        # per-lane sums, reduced once at the end (a reduction per block would cost as much as the sums)
-        above = tl.zeros([PIVOTS, SUB], tl.float32)
-        z = tl.zeros([SUB], tl.float32)
-        amin = tl.full([SUB], float("inf"), tl.float32)
-        amax = tl.full([SUB], float("-inf"), tl.float32)
-        for j in tl.static_range(CHUNK // SUB):
-            x = _load(base, c * CHUNK + j * SUB + tl.arange(0, SUB), V, floor)
-            if tl.max(x, 0) > tl.minimum(lo, zlo):  # a block wholly below adds nothing
-                gt = x[None, :] > piv[:, None]
-                if MASS:
-                    e = tl.exp((x - m) * scale)
-                    z += tl.where(x > zlo, e, 0.0)
-                    above += tl.where(gt, e[None, :], 0.0)
-                else:
-                    above += gt.to(tl.float32)
-                inside = (x > lo) & (x <= hi)
-                amin = tl.minimum(amin, tl.where(inside, x, float("inf")))
-                amax = tl.maximum(amax, tl.where(inside, x, float("-inf")))
-        part = part_out + (row * C + c) * W
-        tl.store(part + tl.arange(0, PIVOTS), tl.sum(above, 1))
-        tl.store(part + PIVOTS, tl.min(amin, 0))
-        tl.store(part + PIVOTS + 1, tl.max(amax, 0))
-        tl.store(part + PIVOTS + 2, tl.sum(z, 0))
+        _chunk_pass(x_ptr + row.to(tl.int64) * stride_x, c, V, lo, hi, zlo, floor, m, scale,
+                    part_out + (row * C + c) * W, MASS, CHUNK, SUB, PIVOTS)
 
 
 @triton.jit
