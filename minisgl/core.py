@@ -87,6 +87,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None  # an xgrammar (GBNF-style) EBNF grammar with a `root` rule
     structural_tag: str | None = None  # xgrammar's structural tag as JSON text (a dict is dumped)
+    # keep the tokens at least min_p times as likely as the most likely one (vLLM's); 0 is off. Last, so
+    # that positional construction keeps its meaning
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("json_schema", "structural_tag"):  # messages carry the text, not the object
@@ -114,6 +117,8 @@ class SamplingParams:
             raise InvalidRequest(f"'temperature' must be >= 0, got {t!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"'top_p' must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"'min_p' must be in [0, 1], got {self.min_p!r}", "min_p")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
             raise InvalidRequest(f"'top_k' must be -1 (no limit) or >= 1, got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):

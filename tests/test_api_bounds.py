@@ -185,7 +185,7 @@ def test_generate_honours_a_top_level_max_tokens(service):
         ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
         ("/v1/chat/completions", "audio", {"voice": "alloy"}),
         ("/v1/chat/completions", "modalities", ["text", "audio"]),
-        ("/v1/chat/completions", "min_p", 0.1),
+        ("/v1/chat/completions", "min_tokens", 3),
     ],
 )
 def test_an_unimplemented_field_that_asks_for_something_is_a_400_naming_it(service, path, field, value):

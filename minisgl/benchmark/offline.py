@@ -6,6 +6,8 @@
     python -m minisgl.benchmark.offline --workload w1 --model qwen3-0.6b --load-format dummy   # GPU
     python -m minisgl.benchmark.offline --workload w2 --model qwen3-0.6b --load-format dummy   # GPU
     python -m minisgl.benchmark.offline --workload w3 --constrained-fraction 0.25  # a quarter under a schema
+    python -m minisgl.benchmark.offline --workload w1 --model qwen3-0.6b --load-format dummy \
+        --temperature 0.6 --top-p 0.9 --sampler fused,torch                                    # sampled
 
 Workloads (random token ids from one seeded generator; every request ignores EOS and produces exactly its
 output length; throughput = output tokens / wall time of the generate call, after a warm-up):
@@ -16,8 +18,10 @@ output length; throughput = output tokens / wall time of the generate call, afte
 --constrained-fraction F gives that fraction of the requests (spread evenly) the fixed JSON schema
 BENCH_SCHEMA; such a request ends when its JSON is complete, so it may produce fewer tokens than its
 length, and throughput counts the tokens generated (the unconstrained ones' own rate is printed too).
-Comma-separated values of --cache-type (--cache) and --overlap run each configuration in turn (a fresh
-engine each). --model also takes qwen3-0.6b / qwen3-8b, shape-only configs (with --load-format dummy); the
+Every request greedy unless --temperature (then --top-p, --top-k, --min-p, and --request-seed S: request i
+gets seed S + i; --seed is the engine's start-up seed) says otherwise, the same for every request.
+Comma-separated values of --cache-type (--cache), --overlap and --sampler run each configuration in turn (a
+fresh engine each). --model also takes qwen3-0.6b / qwen3-8b, shape-only configs (with --load-format dummy); the
 other flags are LLM's options (minisgl/engine/config.py, minisgl/scheduler/config.py).
 On a CPU shared with other busy processes, set OMP_WAIT_POLICY=PASSIVE (for the peer too): spinning OpenMP
 threads otherwise slow both down several times, and by different amounts."""
@@ -124,7 +128,6 @@ def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, An
     workload; returns the figures."""
     import torch
 
-    from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
     kwargs = dict(options, model_path=resolve_model(options.get("model_path")))
@@ -138,8 +141,8 @@ def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, An
             raise ValueError(f"workload token ids reach {max(p)} but the model's vocabulary has {vocab}")
     try:
         warm = warmup_workload(min(vocab - 1, 10000))
-        llm.generate(warm.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in warm.outputs])
-        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.outputs]
+        llm.generate(warm.prompts, request_params(args, warm))  # sampled as the runs are
+        params = request_params(args, workload)
         params, rows = constrain(params, args.constrained_fraction)
         plain_tokens = sum(n for n, c in zip(workload.outputs, rows) if not c)
         times, computed, generated = [], [], []
@@ -180,6 +183,37 @@ def run_once(args: argparse.Namespace, workload: Workload, options: dict[str, An
         llm.shutdown()
 
 
+def request_params(args: argparse.Namespace, workload: Workload) -> list:
+    """Each request's SamplingParams: its output length, EOS ignored, the sampling flags (request i seeded
+    with --request-seed + i)."""
+    from minisgl.core import SamplingParams
+
+    seed = args.request_seed
+    return [
+        SamplingParams(
+            max_tokens=n,
+            ignore_eos=True,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=None if seed is None else seed + i,
+        )
+        for i, n in enumerate(workload.outputs)
+    ]
+
+
+def describe_sampling(args: argparse.Namespace) -> str:
+    """The sampling flags as the result line shows them."""
+    if args.temperature == 0.0:
+        return "sampling=greedy"
+    seeds = "none" if args.request_seed is None else f"{args.request_seed}+i"
+    return (
+        f"sampling=temperature {args.temperature} top_p {args.top_p} top_k {args.top_k} "
+        f"min_p {args.min_p} seeds {seeds}"
+    )
+
+
 def sync(device) -> None:
     import torch
 
@@ -205,20 +239,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="fraction (0..1) of the requests constrained by a fixed JSON schema",
     )
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default 1)")
+    ap.add_argument("--top-k", type=int, default=-1, help="every request's top_k (default -1: no limit)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="every request's min_p (default 0)")
+    ap.add_argument(
+        "--request-seed", type=int, default=None, metavar="S", help="request i samples with seed S + i"
+    )
     defaults = {"overlap": "on", "show_progress": False}
-    options.add_flags(ap, SchedulerConfig, defaults=defaults, lists=("cache_type", "overlap"))
+    options.add_flags(ap, SchedulerConfig, defaults=defaults, lists=("cache_type", "overlap", "sampler"))
     return ap
 
 
 def runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
-    """The LLM keywords of each configuration to run, in order (every --cache-type x every --overlap); a
-    bad value exits through `parser` before any engine is built."""
+    """The LLM keywords of each configuration to run, in order (every --cache-type x every --overlap x
+    every --sampler); a bad value exits through `parser` before any engine is built."""
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.utils import options
 
     given = options.given(args, SchedulerConfig)
-    caches, overlaps = given.pop("cache_type"), given.pop("overlap")
-    out = [dict(given, cache_type=c, overlap=o) for c in caches for o in overlaps]
+    caches, overlaps, samplers = given.pop("cache_type"), given.pop("overlap"), given.pop("sampler")
+    out = [
+        dict(given, cache_type=c, overlap=o, sampler=s) for c in caches for o in overlaps for s in samplers
+    ]
     for kw in out:
         options.build(SchedulerConfig, kw, parser)
     return out
@@ -231,6 +274,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--constrained-fraction must be in [0, 1]")
     configs = runs(args, ap)
     workload = get_workload(args.workload, args.num_requests)
+    try:  # a bad sampling flag fails before any engine is built
+        request_params(args, workload)[0].validate()
+    except ValueError as e:
+        ap.error(str(e))
     print(
         f"# {workload.name}: {len(workload.prompts)} requests, {workload.input_tokens} prompt tokens, "
         f"{workload.output_tokens} output tokens"
@@ -242,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         where = (
             f"model={r['arch']} {r['dtype']} on {r['device']}"
             + (f" ({r['threads']} threads)" if r["threads"] else "")
-            + f", attn={r['attn']}, cache={cache}, overlap={overlap}"
+            + f", attn={r['attn']}, cache={cache}, overlap={overlap}, sampler={config['sampler']}, "
+            + describe_sampling(args)
         )
         if r["constrained"]:
             where += (

@@ -82,6 +82,12 @@ class EngineConfig:
         help="MoE experts: fused (Triton), torch (the reference) or auto (fused on CUDA, torch elsewhere)",
         choices=["auto", "fused", "torch"],
     )
+    sampler: str = option(
+        "auto",
+        help="fused: one sampling kernel for the batch (Triton on a GPU), captured in the decode graphs; "
+        "torch: its torch reference, after the graph (auto: fused on CUDA, torch elsewhere)",
+        choices=["auto", "fused", "torch"],
+    )
     ep_size: int = option(
         1, help="expert parallelism: MoE experts split over this many of the TP ranks", min=1, aliases=["ep"]
     )

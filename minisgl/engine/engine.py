@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from minisgl import kernel
 from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
@@ -138,7 +139,8 @@ class Engine:
             moe_backend=self.moe_backend,
         )
         set_global_ctx(self.ctx)
-        self.sampler = Sampler(self.device, self.token_pool)
+        fused = config.sampler == "fused" or (config.sampler == "auto" and is_cuda(self.device))
+        self.sampler = Sampler(self.device, self.token_pool, fused=fused)
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
         self.graph_runner = self.prefill_graphs = None
         before = torch.cuda.memory_reserved(self.device) if is_cuda(self.device) else 0
@@ -260,6 +262,7 @@ class Engine:
             run_model=self._run_model,
             compute_logits=self.model.compute_logits,
             token_pool=self.token_pool,
+            sample=kernel.sample if self.sampler.fused else None,
             dummy_row=self.dummy_row,
             dummy_slot=self.dummy_slot,
             show_progress=cfg.show_progress and cfg.tp_info.is_primary(),
@@ -317,6 +320,9 @@ class Engine:
             apply_token_mask(logits, mask)  # in place: the logprobs are those of the masked rows too
         if fwd.greedy is not None and info.all_greedy and mask is None:
             next_tokens = fwd.greedy
+        elif fwd.greedy is not None and self.graph_runner.can_sample(info):
+            # the batch's own sampling graph, over the decode graph's logits buffer (masked in place)
+            next_tokens = self.graph_runner.replay_sampling(batch, info)
         else:
             next_tokens = self._sample(logits, batch)
         buf, slot = self._host_tokens.take(next_tokens.numel())

@@ -35,6 +35,8 @@ from minisgl.core import Batch, Phase
 from minisgl.utils import init_logger
 from minisgl.utils.device import is_cuda
 
+from .sampler import SamplingInfo, draw_step_seed
+
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
 
@@ -89,6 +91,8 @@ class GraphDeps:
     dummy_row: int  # page-table row padding reads (the engine maps its position 0 to dummy_slot)
     dummy_slot: int  # KV slot padding writes
     show_progress: bool = False
+    # kernel.sample, captured after each decode graph for the batches that sample; None: they sample eagerly
+    sample: Callable[[torch.Tensor, kernel.SamplingRows], torch.Tensor] | None = None
 
 
 class DecodeOutput(NamedTuple):
@@ -97,6 +101,12 @@ class DecodeOutput(NamedTuple):
     hidden: torch.Tensor  # the final hidden states
     logits: torch.Tensor
     tokens: torch.Tensor  # int32 argmax of the logits, already written into the token pool
+
+
+class SampleOutput(NamedTuple):
+    """A sampling graph's fixed output."""
+
+    tokens: torch.Tensor  # [padded size] int32 sampled tokens, already written into the token pool
 
 
 class PrefillOutput(NamedTuple):
@@ -270,7 +280,9 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
     """Decode at a list of batch sizes. A graph holds the whole step but sampling: the page-table entries
     of the new tokens, reading the input tokens from the token pool, the model, the LM head, the greedy
     token (argmax) and writing it into the token pool. A batch that samples replaces the greedy tokens
-    afterwards from the graph's logits. The inputs are one [4, batch] block (DECODE_INPUTS), one copy.
+    afterwards from the graph's logits: in the size's sampling graph (capture_sampling) when the engine
+    gives a `sample` op, else (and for penalised batches) eagerly. The inputs are one [4, batch] block
+    (DECODE_INPUTS), one copy.
 
     A padding row is a complete one-token request at position 0 of the dummy row, sequence length 1, so
     it attends to exactly the key it wrote into the dummy slot."""
@@ -286,6 +298,15 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         )
         self._pad = _padding(pad, self.max_bs, deps.device)
         self._inputs = self._pad.clone()  # the fixed buffers, one row per field of DECODE_INPUTS
+        # a sampling graph's fixed inputs: SamplingInfo.packed (all zeros: greedy rows) and the step seed
+        self._sample_f = torch.zeros(3, self.max_bs, dtype=torch.float32, device=deps.device)
+        self._sample_i = torch.zeros(3, self.max_bs, dtype=torch.int64, device=deps.device)
+        self._step_seed = torch.zeros(1, dtype=torch.int64, device=deps.device)
+        # keyed by (size, whether a row sets top-k, whether a row sets top-p): a batch without them skips
+        # those searches' launches
+        self.sample_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph | EmulatedGraph] = {}
+        self.sample_outputs: dict[tuple[int, bool, bool], SampleOutput] = {}
+        self.sample_replays = 0  # sampled steps served by a sampling graph
 
     @classmethod
     def create(cls, deps: GraphDeps, max_bs: int | None, max_running_req: int) -> DecodeGraphRunner | None:
@@ -307,6 +328,8 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
             hooks = False  # CPU emulation can recompute the metadata from the buffers at replay
         runner = cls(deps, sizes, hooks)
         runner.capture_all()
+        if deps.sample is not None:
+            runner.capture_sampling()
         return runner
 
     def can_run(self, batch: Batch) -> bool:
@@ -359,6 +382,60 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
 
     def _result(self, batch: Batch, out: DecodeOutput) -> DecodeOutput:
         return out  # the first batch.size rows are the batch's
+
+    # ---- sampling graphs: one per size, replayed right after the decode graph of a batch that samples --
+    @torch.inference_mode()
+    def capture_sampling(self) -> None:
+        """Capture, per size, deps.sample on that size's fixed logits and the sampling buffers, writing the
+        tokens into the token pool over the decode graph's greedy ones (a second, small graph: the decode
+        graphs, and with them a greedy step, stay exactly as they are)."""
+        start = time.perf_counter()
+        for bs in sorted(self.sizes, reverse=True):
+            for key in [(bs, k, p) for k in (False, True) for p in (False, True)]:
+                self._capture_sampling(key)
+        n = len(self.sample_graphs)
+        logger.info(f"Captured {n} sampling graphs in {time.perf_counter() - start:.1f}s")
+
+    def _capture_sampling(self, key: tuple[int, bool, bool]) -> None:
+        bs, has_top_k, has_top_p = key
+        batch = self._buffer_batch(bs)
+        logits = self.outputs[bs].logits
+        f, i = self._sample_f[:, :bs].unbind(0), self._sample_i[:, :bs].unbind(0)
+        rows = kernel.SamplingRows(*f, *i, self._step_seed, has_top_k, has_top_p)
+
+        def forward() -> SampleOutput:
+            tokens = self.deps.sample(logits, rows)
+            self.deps.token_pool[batch.table_idx, batch.positions + 1] = tokens
+            return SampleOutput(tokens)
+
+        if self.emulate:
+            self.sample_graphs[key], self.sample_outputs[key] = capture_emulated(forward)
+        else:
+            self.sample_graphs[key], self.sample_outputs[key] = capture_cuda(
+                forward, self._pool, self._stream, self.deps.device
+            )
+
+    def can_sample(self, info: SamplingInfo) -> bool:
+        """Whether a batch this runner replayed samples in its sampling graph: it samples, and sets no
+        penalty (those take the eager path)."""
+        return bool(self.sample_graphs) and info.rows is not None and info.penalties is None
+
+    def replay_sampling(self, batch: Batch, info: SamplingInfo) -> torch.Tensor:
+        """After replay(batch): copy the batch's sampling rows (SamplingInfo.packed) and a fresh step seed
+        into the fixed buffers, greedy padding rows after them, and replay the size's sampling graph.
+        Returns the batch's tokens [batch.size] int32."""
+        n, bs = batch.size, self.padded_size(batch.size)
+        floats, ints = info.packed
+        self._sample_f[:, :n].copy_(floats, non_blocking=True)
+        self._sample_i[:, :n].copy_(ints, non_blocking=True)
+        if bs > n:  # rows a larger batch left behind would sample (all zeros: greedy, the cheap path)
+            self._sample_f[:, n:bs].zero_()
+            self._sample_i[:, n:bs].zero_()
+        self._step_seed.copy_(draw_step_seed(self.deps.device), non_blocking=True)
+        key = (bs, info.rows.has_top_k, info.rows.has_top_p)
+        self.sample_graphs[key].replay()
+        self.sample_replays += 1
+        return self.sample_outputs[key].tokens[:n]
 
 
 class PrefillGraphRunner(BaseGraphRunner[PrefillOutput]):

@@ -1,8 +1,10 @@
-"""Sampling on the device: greedy, temperature, top-k and top-p, chosen per request within one batch.
+"""Sampling on the device: greedy, temperature, min-p, top-k and top-p, chosen per request within one batch.
 
-Random draws use the exponential trick (argmax of p / E with E ~ Exp(1) is a sample from p), so a request
-with a `seed` draws its noise from its own generator keyed by (seed, position): the same seed gives the
-same tokens whatever else shares the batch.
+One op samples the whole batch (kernel.sample: a Triton kernel on a GPU, which a decode graph captures;
+its torch reference elsewhere): thresholds instead of a sort for the filters, and the exponential trick
+(argmax of p / E with E ~ Exp(1) is a sample from p) with E hashed from each row's keys and the token id.
+A request with a `seed` keys its noise by (seed, position), so the same seed gives the same tokens whatever
+else shares the batch; the other rows key theirs by a per-step seed from torch's generator and their row.
 
 Before any of that, as vLLM orders it: `logit_bias`, then the repetition penalty over the prompt and the
 output, then the frequency and presence penalties over the output. The token history comes from the
@@ -21,6 +23,7 @@ import torch
 
 from minisgl import kernel
 from minisgl.core import Req, SamplingParams
+from minisgl.kernel import reference as kernel_ref
 
 
 def _uses_history(p: SamplingParams) -> bool:
@@ -146,21 +149,38 @@ def _bias_tensors(
     return index[0], index[1], torch.from_numpy(values[keep]).to(device, non_blocking=True)
 
 
+def _wrap64(seed: int) -> int:
+    """A seed of any size as the signed 64-bit integer with the same low 64 bits."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 @dataclass
 class SamplingInfo:
+    """A batch's sampling inputs on the device: the per-row parameters of a batch that samples (`rows`,
+    views of two packed tensors that a decode graph copies into its own), logprobs and penalties."""
+
     all_greedy: bool
-    greedy_mask: torch.Tensor | None = None  # [S] bool
-    temperatures: torch.Tensor | None = None  # [S, 1]
-    top_k: torch.Tensor | None = None  # [S] (vocab size where unlimited), None when nobody limits
-    top_p: torch.Tensor | None = None  # [S], None when nobody limits
-    seeded: list[tuple[int, int, int]] | None = None  # (row, seed, position)
+    rows: kernel.SamplingRows | None = None  # None: every row greedy
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # [3, S] float32, [3, S] int64 behind `rows`
     top_logprobs: int = -1  # -1: no logprobs; 0: only the chosen token's; k: also the top k
     penalties: Penalties | None = None  # logit_bias and history penalties, None when no row sets any
+
+    @property
+    def greedy_mask(self) -> torch.Tensor | None:
+        """[S] bool, the greedy rows of a batch that samples (None when every row is greedy)."""
+        return None if self.rows is None else self.rows.temperature == 0
+
+    @property
+    def top_k(self) -> torch.Tensor | None:
+        """[S] each row's top-k (the vocabulary size where unlimited)."""
+        return None if self.rows is None else self.rows.top_k
 
     @classmethod
     def build(
         cls, reqs: list[Req], positions: list[int], vocab_size: int, device: torch.device
     ) -> SamplingInfo:
+        """The sampling inputs of a batch whose rows sample at `positions` (a seeded row's noise depends on
+        its seed and position alone)."""
         params = [r.sampling_params for r in reqs]
         top_logprobs, all_greedy, penalised = _scan(params)
         penalties = Penalties.build(reqs, positions, vocab_size, device) if penalised else None
@@ -168,54 +188,66 @@ class SamplingInfo:
             # all_greedy: the argmax of the raw logits (inside the decode graph) is every row's token;
             # a penalised greedy row needs the argmax of its processed logits instead
             return cls(all_greedy=penalties is None, top_logprobs=top_logprobs, penalties=penalties)
-        greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-        info = cls(
+        floats, ints, has_top_k, has_top_p = _pack(params, positions, vocab_size)
+        f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+        i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+        return cls(
             all_greedy=False,
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
-            temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True)[:, None],
+            rows=rows_of(f, i, None, has_top_k, has_top_p),
+            packed=(f, i),
             top_logprobs=top_logprobs,
             penalties=penalties,
         )
-        if any(p.top_k > 0 for p in params):
-            # a top_k beyond the vocabulary is no limit (and must not overflow the int64 tensor)
-            ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-            info.top_k = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
-        if any(p.top_p < 1.0 for p in params):
-            info.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(
-                device, non_blocking=True
-            )
-        seeded = [
-            (i, p.seed, pos)
-            for i, (p, pos) in enumerate(zip(params, positions))
-            if p.seed is not None and not p.is_greedy
-        ]
-        info.seeded = seeded or None
-        return info
 
 
-def _filter_probs(
-    probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Zero out the tokens outside each row's top-k and top-p (the most likely token always stays)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    if top_k is not None:  # top-k first, then top-p over what is left (renormalised), as vLLM does
-        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-        sorted_p = sorted_p.masked_fill(rank >= top_k[:, None], 0.0)
-    if top_p is not None:
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the strictly more likely tokens
-        drop = before >= top_p[:, None] * sorted_p.sum(dim=-1, keepdim=True)
-        drop[:, 0] = False
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+def _pack(params: list[SamplingParams], positions: list[int], vocab_size: int):
+    """([temperature, top_p, min_p], [top_k, seed, counter] as lists, whether a sampled row sets top-k,
+    top-p), in one pass (this runs every step). A greedy row gets temperature 0; a seeded row's counter is
+    its position."""
+    temps, top_ps, min_ps, ks, seeds, counters = [], [], [], [], [], []
+    has_top_k = has_top_p = False
+    for i, (p, pos) in enumerate(zip(params, positions)):
+        greedy = p.temperature == 0.0 or p.top_k == 1  # SamplingParams.is_greedy, inlined
+        temps.append(0.0 if greedy else float(p.temperature))
+        top_ps.append(float(p.top_p))
+        min_ps.append(float(p.min_p))
+        # a top_k beyond the vocabulary is no limit (and must not overflow the int64 tensor)
+        ks.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
+        has_top_k = has_top_k or (not greedy and 0 < p.top_k < vocab_size)
+        has_top_p = has_top_p or (not greedy and p.top_p < 1.0)
+        seeded = p.seed is not None and not greedy
+        seeds.append(_wrap64(p.seed) if seeded else 0)
+        counters.append(pos if seeded else kernel_ref.UNSEEDED + i)
+    return [temps, top_ps, min_ps], [ks, seeds, counters], has_top_k, has_top_p
+
+
+def rows_of(
+    floats: torch.Tensor,
+    ints: torch.Tensor,
+    step_seed: torch.Tensor | None,
+    has_top_k: bool = True,
+    has_top_p: bool = True,
+) -> kernel.SamplingRows:
+    """SamplingRows viewing packed [3, S] float32 (temperature, top_p, min_p) and [3, S] int64 (top_k, seed,
+    counter) tensors; step_seed None: drawn when the batch samples."""
+    return kernel.SamplingRows(*floats.unbind(0), *ints.unbind(0), step_seed, has_top_k, has_top_p)
+
+
+def draw_step_seed(device: torch.device) -> torch.Tensor:
+    """[1] int64 on the device: the seed of this step's unseeded rows, from torch's (CPU) generator, so that
+    torch.manual_seed makes unseeded sampling reproducible."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device, non_blocking=True)
 
 
 class Sampler:
     """Picks each row's next token from its logits; reads token histories from the engine's token pool."""
 
-    def __init__(self, device: torch.device, token_pool: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, device: torch.device, token_pool: torch.Tensor | None = None, fused: bool = True
+    ) -> None:
         self.device = device
         self.token_pool = token_pool  # [rows, max_seq_len] int32; only penalised batches read it
+        self.fused = fused  # kernel.sample (Triton on a GPU); False: always the torch reference
 
     def load_history(self, info: SamplingInfo) -> None:
         """For a batch whose rows sample their first token since admission (a prefill batch): put the
@@ -225,24 +257,15 @@ class Sampler:
             info.penalties.load_history(self.token_pool)
 
     def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
-        """logits [S, V] -> token ids [S] (int32), on the device, with no host synchronisation
-        (except to draw seeded noise, one generator per seeded request)."""
+        """logits [S, V] -> token ids [S] (int32), on the device, with no host synchronisation."""
         if info.all_greedy:
             return kernel.argmax(logits)
         if info.penalties is not None:
             logits = info.penalties.apply(logits, self.token_pool)
-            if info.greedy_mask is None:  # every row greedy, some of them penalised or biased
+            if info.rows is None:  # every row greedy, some of them penalised or biased
                 return kernel.argmax(logits)
-        probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
-        if info.top_k is not None or info.top_p is not None:
-            probs = _filter_probs(probs, info.top_k, info.top_p)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seed, pos in info.seeded or ():
-            gen = torch.Generator(device=probs.device).manual_seed((seed * 1_000_003 + pos) % (2**63))
-            noise[row] = torch.empty_like(noise[row]).exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy = logits.argmax(dim=-1)
-        return torch.where(info.greedy_mask, greedy, sampled).to(torch.int32)
+        rows = info.rows._replace(step_seed=draw_step_seed(logits.device))
+        return (kernel.sample if self.fused else kernel_ref.sample)(logits, rows)
 
     @staticmethod
     def logprobs(

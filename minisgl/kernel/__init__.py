@@ -47,6 +47,22 @@ class SplitAttention(NamedTuple):
     merge: Callable[[], torch.Tensor]  # runs the merge kernel: the output as [B, Hq * D]
 
 
+class SamplingRows(NamedTuple):
+    """A batch's per-row sampling parameters on the device, as `sample` reads them (an unlimited filter
+    holds its neutral value: top_k >= vocab, top_p 1, min_p 0)."""
+
+    temperature: torch.Tensor  # [S] float32; 0: greedy
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64
+    seed: torch.Tensor  # [S] int64, a seeded row's own seed
+    counter: torch.Tensor  # [S] int64: a seeded row's position; >= reference.UNSEEDED: the step seed's stream
+    step_seed: torch.Tensor  # [1] int64, drawn from torch's generator every step
+    # whether some row sets top-k / top-p (False skips that search's passes, and the reference's sort)
+    has_top_k: bool = True
+    has_top_p: bool = True
+
+
 def use_triton(enabled: bool) -> None:
     """Whether CUDA tensors take the Triton kernels (False: the torch reference, for comparisons)."""
     global _TRITON_ENABLED
@@ -180,6 +196,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
         return ops.argmax(x)
     return x.argmax(dim=-1).to(torch.int32)
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Each row's token [S] int32 under its temperature, min-p, top-k, top-p and noise keys: one Triton
+    kernel on a GPU (no sort, no host sync), the torch reference (the same kept set and noise) elsewhere."""
+    ops = _triton_kernels() if _on_gpu(logits) else None
+    if ops is not None and logits.dim() == 2 and logits.stride(-1) == 1:
+        return ops.sample(logits, rows)
+    return ref.sample(logits, rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -122,3 +122,77 @@ def fused_moe(
         y = F.linear(act.float(), w2[e].float()) * topk_weights[tokens, slots, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+# ---- sampling ------------------------------------------------------------------------------------------
+# Counter-based noise shared by the torch reference and the Triton kernel: every uint32 is held in an int64
+# tensor here (torch has no uint32 arithmetic); a product of two of them may wrap past 2**63, which keeps
+# the low 64 bits, so masking to 32 bits gives the same word as the kernel's wrapping uint32 multiply.
+MASK32 = 0xFFFFFFFF
+UNSEEDED = 1 << 32  # a counter at or above this: the row draws from the step seed, not its own
+SERIES_BELOW = 0.015625  # below this v, -log(1 - v) by its series (1 - v would round away v's low bits)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit mixer (Wellons' lowbias32) on uint32 values held in int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def noise_keys(seed: torch.Tensor, counter: torch.Tensor, step_seed: torch.Tensor):
+    """Each row's two noise keys [S] from its seed and counter (int64): a seeded row's counter is its position,
+    so its noise depends on (seed, position) alone; a row with counter >= UNSEEDED uses the step's seed."""
+    seed = torch.where(counter >= UNSEEDED, step_seed, seed)
+    s = mix32((seed & MASK32) ^ mix32(((seed >> 32) & MASK32) ^ 0x6A09E667))
+    k0 = mix32((counter & MASK32) ^ mix32(((counter >> 32) & MASK32) ^ s))
+    return k0, mix32(k0 ^ 0x3C6EF372)
+
+
+def exponential_noise(k0: torch.Tensor, k1: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, vocab] float32 Exp(1) draws, one per (row keys, token id): E = -log(1 - v), v uniform in (0, 1)."""
+    tok = torch.arange(vocab, dtype=torch.int64, device=k0.device)
+    h = mix32(((tok[None, :] * 0x9E3779B9) + k0[:, None]) & MASK32)
+    h = mix32(h ^ k1[:, None])
+    v = (h.to(torch.float32) + 0.5) * 2.0**-32
+    series = v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25)))  # the small E that pick the winners
+    return torch.where(v < SERIES_BELOW, series, -torch.log(1.0 - v))
+
+
+def sample(logits: torch.Tensor, rows) -> torch.Tensor:
+    """Token ids [S] int32 of logits [S, V] under each row's temperature (0: greedy, the first argmax), min-p,
+    top-k and top-p (over what min-p and top-k keep, renormalised), as vLLM orders them. A threshold keeps
+    every token tied with the last one kept. The draw is argmax(p / E) over the kept tokens, E from
+    exponential_noise: the same formula as the Triton kernel. `rows` is a kernel.SamplingRows."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    m, greedy = x.max(dim=-1)
+    t = torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    e = torch.exp((x - m[:, None]) * (1.0 / t))  # as the kernel rounds it
+    floor = torch.where(rows.min_p > 0, m + t[:, 0] * torch.log(rows.min_p), float("-inf"))[:, None]
+    keep = (x > float("-inf")) & (x >= floor)
+    if rows.has_top_k or rows.has_top_p:
+        keep = keep & _top_k_top_p(x, e, keep, rows)
+    k0, k1 = noise_keys(rows.seed, rows.counter, rows.step_seed)
+    score = torch.where(keep, e / exponential_noise(k0, k1, vocab), -1.0)
+    return torch.where(rows.temperature > 0, score.argmax(dim=-1), greedy).to(torch.int32)
+
+
+def _top_k_top_p(x: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, rows) -> torch.Tensor:
+    """The tokens top-k then top-p keep among `keep` (both by value thresholds: ties stay together)."""
+    vocab = x.shape[-1]
+    sv, order = x.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True)
+    kth = sv.gather(1, (rows.top_k.clamp(1, vocab) - 1)[:, None])
+    kept = (sv >= kth) & (sv > float("-inf"))
+    se = torch.where(kept, e.gather(1, order), 0.0)
+    csum = se.cumsum(dim=-1)
+    # the mass of strictly more likely tokens: the exclusive sum at the first token of each run of ties
+    pos = torch.arange(vocab, device=x.device).expand_as(sv)
+    starts = torch.ones_like(kept)
+    starts[:, 1:] = sv[:, 1:] != sv[:, :-1]
+    above = (csum - se).gather(1, torch.where(starts, pos, 0).cummax(dim=-1).values)
+    kept &= (above < rows.top_p[:, None] * csum[:, -1:]) | (rows.top_p[:, None] >= 1.0)
+    last = kept.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    return x >= sv.gather(1, last)

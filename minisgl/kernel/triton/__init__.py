@@ -10,6 +10,7 @@ paged attention kernels of the Triton attention backend.
 | gemv | one-row projections: plain, gated, pre-norm, split-merging |
 | gemm | 2..16-row projections: plain, gated, pre-norm |
 | argmax | the greedy token over the vocabulary |
+| sampling | temperature, min-p, top-k, top-p and seeded noise for a batch, one program per row |
 | attention | split-KV paged decode and its merge, prefill/extend |
 | moe | mixture-of-experts routing and the fused experts (align, grouped GEMMs, sum); tiles in moe_configs.json |
 
@@ -24,6 +25,7 @@ from .launch import launch_opts, pdl
 from .moe import fused_moe, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import apply_rotary, qk_norm_rotary, store_kv
+from .sampling import sample
 
 __all__ = [
     "apply_rotary",
@@ -43,6 +45,7 @@ __all__ = [
     "pdl",
     "qk_norm_rotary",
     "rms_norm",
+    "sample",
     "silu_and_mul",
     "store_kv",
 ]

@@ -107,6 +107,7 @@ def sampling(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_k=-1 if req.top_k in (None, 0) else req.top_k,
         top_p=1.0 if req.top_p is None else float(req.top_p),
+        min_p=_real(req.min_p, 0.0),
         max_tokens=max_tokens,
         ignore_eos=bool(req.ignore_eos),
         seed=req.seed,

@@ -47,6 +47,7 @@ class SamplingBody(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
+    min_p: float | None = None  # vLLM's and SGLang's extension
     n: Int64 | None = None
     stop: str | list[str | Int64] | None = None
     stop_token_ids: list[Int64] | None = None
@@ -196,8 +197,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": _is_off,
     "verbosity": _is_off,
     "web_search_options": _is_off,
-    "min_p": lambda v: v is None or v == 0,  # vLLM extensions seen often
-    "min_tokens": lambda v: v is None or v == 0,
+    "min_tokens": lambda v: v is None or v == 0,  # a vLLM extension seen often
 }
 
 
