@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from minisgl.benchmark.offline import BENCH_SCHEMA
+
 TOPICS = [
     "a dragon",
     "the sea",
@@ -59,6 +61,7 @@ class RequestResult:
     output_tokens: int = 0
     usage_reported: bool = False
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
+    constrained: bool = False  # sent with a JSON schema (--constrained-fraction)
 
     @property
     def tpot(self) -> float | None:
@@ -67,7 +70,14 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one(http: Any, url: str, model: str, prompt: str, args: argparse.Namespace) -> RequestResult:
+def constrained_rows(n: int, fraction: float) -> list[bool]:
+    """Which of n requests carry the JSON schema: int(n * fraction) of them, spread evenly."""
+    return [int((i + 1) * fraction) > int(i * fraction) for i in range(n)]
+
+
+async def _one(
+    http: Any, url: str, model: str, prompt: str, args: argparse.Namespace, constrained: bool = False
+) -> RequestResult:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -79,7 +89,10 @@ async def _one(http: Any, url: str, model: str, prompt: str, args: argparse.Name
         body["stream_options"] = {"include_usage": True}
     if args.ignore_eos:
         body["ignore_eos"] = True
-    res = RequestResult()
+    if constrained:  # ends once its JSON is complete
+        schema = {"name": "bench", "schema": BENCH_SCHEMA}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    res = RequestResult(constrained=constrained)
     t0 = time.perf_counter()
     last = None
     chunks = 0
@@ -155,6 +168,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await _one(http, url, model, f"Warm-up request {i}.", args)
 
         prompts = w4_prompts(args.num_requests)
+        under = constrained_rows(len(prompts), args.constrained_fraction)
         results: list[RequestResult] = [RequestResult() for _ in prompts]
         bar = tqdm(total=len(prompts), desc="requests", file=sys.stderr)
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
@@ -162,10 +176,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async def task(i: int, delay: float) -> None:
             await asyncio.sleep(delay)
             if gate is None:
-                results[i] = await _one(http, url, model, prompts[i], args)
+                results[i] = await _one(http, url, model, prompts[i], args, under[i])
             else:
                 async with gate:
-                    results[i] = await _one(http, url, model, prompts[i], args)
+                    results[i] = await _one(http, url, model, prompts[i], args, under[i])
             bar.update(1)
 
         delays = [0.0] * len(prompts)
@@ -204,9 +218,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "itl_ms": {k: v * ms for k, v in _summary([g for r in ok for g in r.itl]).items()},
         "e2e_ms": {k: v * ms for k, v in _summary([r.e2e for r in ok]).items()},
     }
+    if args.constrained_fraction:
+        report["by_kind"] = {name: _kind(ok, name == "constrained", wall) for name in ("constrained", "free")}
     if args.save_requests:
         report["requests"] = [asdict(r) for r in results]
     return report
+
+
+def _kind(ok: list[RequestResult], constrained: bool, wall: float) -> dict[str, float]:
+    """The figures of the requests sent with (or without) the schema: their tokens over the run's wall
+    time, and their own TTFT and TPOT."""
+    mine = [r for r in ok if r.constrained == constrained]
+    tokens = sum(r.output_tokens for r in mine)
+    return {
+        "requests": len(mine),
+        "output_tokens": tokens,
+        "output_throughput_tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_ms": _summary([r.ttft for r in mine])["p50"] * 1000.0,
+        "tpot_mean_ms": _summary([r.tpot for r in mine if r.tpot is not None])["mean"] * 1000.0,
+    }
 
 
 def print_report(rep: dict[str, Any]) -> None:
@@ -229,6 +259,12 @@ def print_report(rep: dict[str, Any]) -> None:
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = rep[f"{key}_ms"]
         print(f"  {key.upper():<6}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
+    for name, k in rep.get("by_kind", {}).items():
+        print(
+            f"  {name}: {k['requests']} requests, {k['output_tokens']} tokens, "
+            f"{k['output_throughput_tok_s']:.1f} tok/s, p50 TTFT {k['ttft_p50_ms']:.1f} ms, "
+            f"mean TPOT {k['tpot_mean_ms']:.1f} ms"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         dest="include_usage",
         action="store_false",
         help="do not ask for stream_options.include_usage (count content chunks instead)",
+    )
+    p.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        help="fraction (0..1) of the requests sent with a JSON schema (response_format); figures per kind",
     )
     p.add_argument("--warmup", type=int, default=1, help="requests sent first and not measured")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
