@@ -11,7 +11,9 @@ matchers), then the masks are filled and step N samples. A step with no constrai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,18 +188,18 @@ class Scheduler:
         return results
 
     def _launch(self, batch: Batch) -> ForwardOutput:
-        self.last_batch_size = batch.size
-        self.max_batch_size = max(self.max_batch_size, batch.size)
-        self.stream.wait_stream(current_stream(self.device))
-        with use_stream(self.stream):
-            return self.engine.forward_batch(batch)
+        return self._on_engine_stream(batch, self.engine.forward_batch)
 
     def _launch_forward(self, batch: Batch) -> Logits:
+        return self._on_engine_stream(batch, self.engine.forward)
+
+    def _on_engine_stream(self, batch: Batch, run: Callable[[Batch], Any]) -> Any:
+        """Launch `run(batch)` on the engine's stream, after what the current stream prepared."""
         self.last_batch_size = batch.size
         self.max_batch_size = max(self.max_batch_size, batch.size)
         self.stream.wait_stream(current_stream(self.device))
         with use_stream(self.stream):
-            return self.engine.forward(batch)
+            return run(batch)
 
     def _launch_sample(self, batch: Batch, fwd: Logits) -> ForwardOutput:
         """Sample a batch with constrained rows, the matchers up to date: their masks, then the engine."""
