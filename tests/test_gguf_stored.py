@@ -18,7 +18,7 @@ import torch
 from helpers import HFReference, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
 
 from minisgl.core import SamplingParams
-from minisgl.kernel import StoredWeight
+from minisgl.kernel import StoredWeight, cpu
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -164,15 +164,22 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
     return os.path.join(out_dir, f"{name}.gguf"), hf_dir
 
 
+# torch attention runs the layers; cpu attention (where the C kernels build) the one-call decode step
+ATTNS = ["torch", "cpu"] if cpu.decode_step_available() else ["torch"]
+
+
+@pytest.mark.parametrize("attn", ATTNS)
 @pytest.mark.parametrize("name", list(SPECS))
-def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, tmp_path):
+def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_path):
     gguf_path, hf_dir = write_tiny_gguf(name, str(tmp_path))
     ref = HFReference(hf_dir)
     vocab = SPECS[name][3]["vocab_size"]
-    prompts = [random_prompt(n, vocab, seed=n) for n in (5, 17, 40)]
+    # 3 rows take the stored kernels' GEMV path, 4 their panel path
+    prompts = [random_prompt(n, vocab, seed=n) for n in (5, 17, 40, 23)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with make_llm(gguf_path, **tiny_llm_kwargs(weights_format="stored")) as llm:
+    with make_llm(gguf_path, **tiny_llm_kwargs(weights_format="stored", attn=attn)) as llm:
         engine = llm.scheduler.engine
+        assert (engine.cpu_step is not None) == (attn == "cpu")
         model = engine.model
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, StoredWeight)
         assert isinstance(model.lm_head.weight, StoredWeight)

@@ -102,6 +102,12 @@ class EngineConfig:
     dist_timeout: float = option(
         120.0, help="seconds to wait for every rank to join, and for one collective", min=0.1
     )
+    cpu_decode_step: str = option(
+        "auto",
+        help="auto: a decode batch's layers run in one C call on a CPU where the model is covered (dense "
+        "Llama-family, float32, one rank); off: layer by layer",
+        choices=["auto", "off"],
+    )
     weights_format: str = option(
         "auto",
         help="stored: a .gguf file's blocks (or bf16/fp16 weights) kept as they are on a CPU; float32: "

@@ -28,6 +28,7 @@ from minisgl.utils.gguf_file import GGUF_LINK
 from minisgl.utils.hf import load_hf_config, resolve_model_path
 
 from .config import EngineConfig
+from .cpu_step import CpuDecodeStep
 from .graph import DecodeGraphRunner, GraphDeps, PrefillGraphRunner
 from .sampler import Sampler
 
@@ -146,6 +147,11 @@ class Engine:
         before = torch.cuda.memory_reserved(self.device) if is_cuda(self.device) else 0
         self._init_graphs()
         graphs = torch.cuda.memory_reserved(self.device) - before if is_cuda(self.device) else 0
+        self.cpu_step = None
+        if self.device.type == "cpu" and config.cpu_decode_step == "auto":
+            self.cpu_step = CpuDecodeStep.create(
+                self.model, self.kv_pool, self.page_table, self.attn_backend, self.dtype
+            )
         self.memory = self._report_memory(graphs)
         logger.info(
             f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
@@ -307,6 +313,8 @@ class Engine:
             return Logits(self.prefill_graphs.replay(batch))
         self.prepare_inputs(batch)
         self.attn_backend.prepare_metadata(batch)
+        if self.cpu_step is not None and batch.is_decode:
+            return Logits(self.model.compute_logits(self.cpu_step.run(batch)))
         hidden = self._run_model(batch)
         hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
         return Logits(self.model.compute_logits(hidden))
@@ -351,7 +359,7 @@ class Engine:
 
     def shutdown(self) -> None:
         synchronize(self.device)
-        self.graph_runner = self.prefill_graphs = None
+        self.graph_runner = self.prefill_graphs = self.cpu_step = None
         set_global_ctx(None)
         for name in ("model", "kv_pool", "page_table", "token_pool", "attn_backend", "ctx"):
             if hasattr(self, name):

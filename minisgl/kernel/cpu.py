@@ -98,6 +98,8 @@ def _load() -> ctypes.CDLL | None:
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
         lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        lib.decode_step_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, f32, i32]
+        lib.decode_step_f32.restype = None
     _lib = lib
     return _lib
 
@@ -297,5 +299,41 @@ def linear_stored(
         M,
         N,
         K,
+        torch.get_num_threads(),
+    )
+
+
+def decode_step_available() -> bool:
+    """Whether this build has decode_step (AVX2 builds, like the packed float32 linear it uses)."""
+    lib = _load()
+    return lib is not None and hasattr(lib, "decode_step_f32")
+
+
+def decode_step(
+    model: torch.Tensor,
+    layers: torch.Tensor,
+    tokens: tuple[torch.Tensor, ...],
+    scratch: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> None:
+    """Every layer of a decode step in one call (cpu_kernels.c's decode_step_f32): `model` and `layers`
+    are its int64 descriptors, `tokens` = (ids, positions, KV slots, page-table rows, key counts), each
+    int64 [B]; out [B, hidden] gets the final norm's output."""
+    ids, pos, loc, rows, lens = tokens
+    _lib.decode_step_f32(
+        model.data_ptr(),
+        layers.data_ptr(),
+        ids.data_ptr(),
+        pos.data_ptr(),
+        loc.data_ptr(),
+        rows.data_ptr(),
+        lens.data_ptr(),
+        ids.numel(),
+        scratch.data_ptr(),
+        out.data_ptr(),
+        eps,
+        scale,
         torch.get_num_threads(),
     )

@@ -258,12 +258,14 @@ typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *
                          const float *, int);
 static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
 
-void linear_packed_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t N,
-                       int64_t K, int num_threads) {
+/* The work of linear_packed_f32 for the threads of an enclosing parallel region (alone: one thread); x and y
+ * with row strides ldx and ldy. */
+static void linear_packed_work(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
+                               int64_t ldy, int64_t M, int64_t N, int64_t K) {
     int64_t panels = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         int64_t mend = m0 + MB < M ? m0 + MB : M;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int nr = (int)(N - p * NR < NR ? N - p * NR : NR);
             const float *b = bias ? bias + p * NR : 0;
@@ -272,12 +274,18 @@ void linear_packed_f32(const float *x, const float *wp, const float *bias, float
                 int64_t kc = K - k0 < KC ? K - k0 : KC;
                 for (int64_t m = m0; m < mend; m += MR) {
                     int mr = (int)(mend - m < MR ? mend - m : MR);
-                    MICROS[mr](x + m * K + k0, K, panel + k0 * NR, kc, y + m * N + p * NR, N, nr, b,
+                    MICROS[mr](x + m * ldx + k0, ldx, panel + k0 * NR, kc, y + m * ldy + p * NR, ldy, nr, b,
                                m == m0 && next ? next + k0 * NR : 0, k0 > 0);
                 }
             }
         }
     }
+}
+
+void linear_packed_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    linear_packed_work(x, K, wp, bias, y, N, M, N, K);
 }
 
 #define HAVE_AVX2 1
@@ -296,85 +304,106 @@ static void attend_group(const float *q, const float *k, const float *v, int64_t
     attend_group_scalar(q, k, v, slot_stride, slots, len, G, D, scale, out);
 }
 
-/* q, out: [B, Hq, D] contiguous. k, v: [slots, Hkv, D] contiguous. page_table: [rows, table_stride] int32.
- * rows[b]: request b's page-table row; lens[b]: its number of keys (all positions up to and including the
- * query's). Query head h reads KV head h / (Hq / Hkv). */
+/* q, out: [B, Hq, D], rows q_stride floats apart for q, contiguous for out. k, v: [slots, Hkv, D]
+ * contiguous. page_table: [rows, table_stride] int32. rows[b]: request b's page-table row; lens[b]: its
+ * number of keys (all positions up to and including the query's). Query head h reads KV head h / (Hq / Hkv).
+ * For the threads of an enclosing parallel region. */
+static void decode_attention_work(const float *q, int64_t q_stride, const float *k, const float *v,
+                                  const int32_t *page_table, int64_t table_stride, const int64_t *rows,
+                                  const int64_t *lens, float *out, int B, int Hq, int Hkv, int D, float scale) {
+    int G = Hq / Hkv;
+    int64_t slot_stride = (int64_t)Hkv * D;
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < Hkv; h++) {
+            int64_t o_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
+            attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
+                         slot_stride, page_table + rows[b] * table_stride, lens[b], G, D, scale, out + o_off);
+        }
+    }
+}
+
 void decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *page_table,
                           int64_t table_stride, const int64_t *rows, const int64_t *lens, float *out, int B,
                           int Hq, int Hkv, int D, float scale, int num_threads) {
-    int G = Hq / Hkv;
-    int64_t slot_stride = (int64_t)Hkv * D;
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < Hkv; h++) {
-            int64_t q_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
-            attend_group(q + q_off, k + (int64_t)h * D, v + (int64_t)h * D, slot_stride,
-                         page_table + rows[b] * table_stride, lens[b], G, D, scale, out + q_off);
-        }
-    }
+#pragma omp parallel num_threads(num_threads)
+    decode_attention_work(q, (int64_t)Hq * D, k, v, page_table, table_stride, rows, lens, out, B, Hq, Hkv, D,
+                          scale);
 }
 
 /* ---- elementwise ---------------------------------------------------------------------------------------- */
 
-/* out = x' / rms(x') * w with x' = x (+ residual); with a residual, x' is also written to residual_out.
- * Row strides are in floats. */
+/* One row: out = x' / rms(x') * w with x' = x (+ residual); with a residual, x' is also written to
+ * residual_out (which may be the residual itself). */
+static void rms_row(const float *xr, const float *residual, float *residual_out, const float *w, float *o,
+                    int64_t H, float eps) {
+    float sum = 0.0f;
+    if (residual) {
+        for (int64_t i = 0; i < H; i++) {
+            float r = xr[i] + residual[i];
+            residual_out[i] = r;
+            sum += r * r;
+        }
+        xr = residual_out;
+    } else {
+        for (int64_t i = 0; i < H; i++) sum += xr[i] * xr[i];
+    }
+    float inv = 1.0f / sqrtf(sum / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xr[i] * inv);
+}
+
+/* rms_row over M rows; row strides are in floats (x_stride for x, H for the others). */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, float *residual_out, const float *w,
                   float *out, int64_t M, int64_t H, float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H > 16384)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * x_stride;
-        float *o = out + m * H, sum = 0.0f;
-        if (residual) {
-            float *r = residual_out + m * H;
-            for (int64_t i = 0; i < H; i++) {
-                r[i] = xr[i] + residual[m * H + i];
-                sum += r[i] * r[i];
-            }
-            xr = r;
-        } else {
-            for (int64_t i = 0; i < H; i++) sum += xr[i] * xr[i];
-        }
-        float inv = 1.0f / sqrtf(sum / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xr[i] * inv);
-    }
+    for (int64_t m = 0; m < M; m++)
+        rms_row(x + m * x_stride, residual ? residual + m * H : 0, residual ? residual_out + m * H : 0, w,
+                out + m * H, H, eps);
 }
 
 static inline float silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+/* One row: out [I] = silu(g) * u. */
+static void silu_row(const float *g, const float *u, float *o, int64_t I) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; i++) o[i] = silu_mul1(g[i], u[i]);
+}
+
 /* x = [gate | up] per row (row stride x_stride) -> out [M, I] = silu(gate) * up. */
 void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t M, int64_t I, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I > 16384)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = x + m * x_stride, *u = g + I;
-        float *o = out + m * I;
-        int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp8(_mm256_sub_ps(zero, gv));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < I; i++) o[i] = silu_mul1(g[i], u[i]);
-    }
+    for (int64_t m = 0; m < M; m++) silu_row(x + m * x_stride, x + m * x_stride + I, out + m * I, I);
 }
 
-/* Neox-style rotary, in place, on the first `rot` dims of every head of q [T, Hq, D] and k [T, Hk, D] (token
- * strides in floats, heads contiguous); cos_sin [max_pos, rot] holds cos then sin for the rot/2 frequencies. */
+/* Neox-style rotary, in place, on the first `rot` dims of each of the H heads of x (contiguous, D apart);
+ * cs: cos then sin of the position's rot/2 frequencies. */
+static void rotary_heads(float *x, int H, int D, const float *cs, int rot) {
+    int half = rot / 2;
+    const float *sn = cs + half;
+    for (int h = 0; h < H; h++, x += D)
+        for (int i = 0; i < half; i++) {
+            float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * cs[i] - x2 * sn[i];
+            x[i + half] = x2 * cs[i] + x1 * sn[i];
+        }
+}
+
+/* rotary_heads on every token of q [T, Hq, D] and k [T, Hk, D] (token strides in floats, heads
+ * contiguous); cos_sin [max_pos, rot] holds cos then sin for the rot/2 frequencies. */
 void rotary_neox_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
                      const float *cos_sin, int64_t T, int Hq, int Hk, int D, int rot) {
-    int half = rot / 2;
     for (int64_t t = 0; t < T; t++) {
-        const float *cs = cos_sin + positions[t] * rot, *sn = cs + half;
-        for (int h = 0; h < Hq + Hk; h++) {
-            float *x = h < Hq ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - Hq) * D;
-            for (int i = 0; i < half; i++) {
-                float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * cs[i] - x2 * sn[i];
-                x[i + half] = x2 * cs[i] + x1 * sn[i];
-            }
-        }
+        const float *cs = cos_sin + positions[t] * rot;
+        rotary_heads(q + t * q_stride, Hq, D, cs, rot);
+        rotary_heads(k + t * k_stride, Hk, D, cs, rot);
     }
 }
 
@@ -612,11 +641,10 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 
 /* The dot path (one activation row, or any row count without AVX2): GR weight rows at a time, QKC of K
  * dequantized into L1 and reused by every activation row. */
-static void linear_stored_dot(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
-                              const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                              int num_threads) {
+static void linear_stored_dot_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                              const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     int64_t groups = (N + GR - 1) / GR;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         float buf[GR * QKC] __attribute__((aligned(32)));
         int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
@@ -721,11 +749,11 @@ static void dot_group_any(int type, int M, const float *x, int64_t ldx, const ui
 }
 
 /* The dot path for 1..3 rows of x: GR weight rows per task. */
-static void linear_stored_dot_avx2(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
-                                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                                   int num_threads) {
+static void linear_stored_dot_avx2_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                                   int64_t K) {
     int64_t groups = (N + GR - 1) / GR;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p[GR];
         float out[GR][3];
@@ -760,13 +788,13 @@ static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t
 
 /* The panel path (4 rows of x and more): NR weight rows x QKC dequantized once into the k-major panel
  * layout of linear_packed_f32 and run through its micro-kernels for every MR rows of x. */
-static void linear_stored_panel(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
-                                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-                                int num_threads) {
+static void linear_stored_panel_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                                int64_t K) {
     int64_t panels = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         int64_t mend = m0 + MB < M ? m0 + MB : M;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             float tmp[NR * QKC] __attribute__((aligned(32))), buf[QKC * NR] __attribute__((aligned(32)));
             int nr = (int)(N - p * NR < NR ? N - p * NR : NR);
@@ -789,18 +817,120 @@ static void linear_stored_panel(const float *x, int64_t ldx, const uint8_t *w, i
 }
 #endif
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the stored W [N, K], transposed (+ bias). */
-void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
-                   float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+/* linear_stored's work for the threads of an enclosing parallel region (alone: one thread). */
+static void linear_stored_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                               const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
 #if HAVE_AVX2
     if (M > 3) {
-        linear_stored_panel(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+        linear_stored_panel_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
         return;
     }
     if (M >= 1 && K % 32 == 0) {
-        linear_stored_dot_avx2(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+        linear_stored_dot_avx2_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
         return;
     }
 #endif
-    linear_stored_dot(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+    linear_stored_dot_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
 }
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the stored W [N, K], transposed (+ bias). */
+void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
+                   float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    linear_stored_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
+}
+
+#if HAVE_AVX2
+/* ---- the decode step: every layer of a dense Llama-family model in one call ------------------------------
+ * One parallel region for the whole step instead of a dozen Python-dispatched calls per layer (their
+ * dispatch cost a small model's decode step as much as its GEMVs); the threads meet at a barrier after each
+ * phase. Each phase runs the same code as the per-op kernels above, so the step computes what the layers do.
+ *
+ * A linear layer is LIN_WORDS int64: [parts, bias, then (kind, ggml type, data, row bytes, rows) per part]
+ * with kind 0 float32 panels (pack_weight_f32) and kind 1 stored rows; parts stack along the output. */
+#define LIN_WORDS 17
+#define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
+#define MODEL_WORDS 16
+
+static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
+                    int64_t K) {
+    const float *bias = (const float *)d[1];
+    int64_t off = 0;
+    for (int i = 0; i < d[0]; i++) {
+        const int64_t *p = d + 2 + 5 * i;
+        const float *b = bias ? bias + off : 0;
+        if (p[0] == 0)
+            linear_packed_work(x, ldx, (const float *)p[2], b, y + off, ldy, M, p[4], K);
+        else
+            linear_stored_work(x, ldx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);
+        off += p[4];
+    }
+}
+
+/* One token's q [Hq, D] and k [Hk, D]: Qwen3's RMSNorm over each head (qn/kn not NULL), then rotary. */
+static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *qn, const float *kn, float eps,
+                       const float *cs, int rot) {
+    if (qn) {
+        for (int h = 0; h < Hq; h++) rms_row(q + h * D, 0, 0, qn, q + h * D, D, eps);
+        for (int h = 0; h < Hk; h++) rms_row(k + h * D, 0, 0, kn, k + h * D, D, eps);
+    }
+    rotary_heads(q, Hq, D, cs, rot);
+    rotary_heads(k, Hk, D, cs, rot);
+}
+
+/* The model (MODEL_WORDS int64): layers, hidden, q heads, kv heads, head dim, intermediate, rotary dims,
+ * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
+ * data, row bytes. For B decode tokens: ids, positions, KV slots, page-table rows and key counts (int64);
+ * scratch holds B x (3 H + qkv + Hq D + 3 I) floats; out [B, H] gets the final norm's output. */
+void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids, const int64_t *pos,
+                     const int64_t *loc, const int64_t *rows, const int64_t *lens, int64_t B, float *scratch,
+                     float *out, float eps, float scale, int num_threads) {
+    const int64_t L = m[0], H = m[1], Hq = m[2], Hkv = m[3], D = m[4], I = m[5], rot = m[6];
+    const float *cos_sin = (const float *)m[7], *final_norm = (const float *)m[8];
+    const int32_t *pt = (const int32_t *)m[9];
+    const int64_t QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
+    float *x = scratch, *res = x + B * H, *nrm = res + B * H, *qkv = nrm + B * H, *att = qkv + B * QKV;
+    float *gu = att + B * Hq * D, *act = gu + B * 2 * I;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *row = (const uint8_t *)m[13] + ids[b] * m[14];
+            if (m[11] == 1)
+                dequant_span((int)m[12], row, 0, H, x + b * H);
+            else
+                memcpy(x + b * H, row, H * sizeof(float));
+        }
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t *ly = layers + l * LAYER_WORDS;
+            const float *qn = (const float *)ly[2], *kn = (const float *)ly[3];
+            float *kc = (float *)ly[4], *vc = (float *)ly[5];
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) {  // the first layer's stream is x alone
+                if (l == 0) memcpy(res + b * H, x + b * H, H * sizeof(float));
+                rms_row(x + b * H, l ? res + b * H : 0, res + b * H, (const float *)ly[0], nrm + b * H, H, eps);
+            }
+            lin_run(ly + 6, nrm, H, qkv, QKV, B, H);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) {
+                float *q = qkv + b * QKV, *k = q + Hq * D, *v = k + kv_row;
+                qk_prepare(q, k, (int)Hq, (int)Hkv, (int)D, qn, kn, eps, cos_sin + pos[b] * rot, (int)rot);
+                memcpy(kc + loc[b] * kv_row, k, kv_row * sizeof(float));
+                memcpy(vc + loc[b] * kv_row, v, kv_row * sizeof(float));
+            }
+            decode_attention_work(qkv, QKV, kc, vc, pt, m[10], rows, lens, att, (int)B, (int)Hq, (int)Hkv, (int)D,
+                                  scale);
+            lin_run(ly + 6 + LIN_WORDS, att, Hq * D, x, H, B, Hq * D);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++)
+                rms_row(x + b * H, res + b * H, res + b * H, (const float *)ly[1], nrm + b * H, H, eps);
+            lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) silu_row(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
+            lin_run(ly + 6 + 3 * LIN_WORDS, act, I, x, H, B, I);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) rms_row(x + b * H, res + b * H, res + b * H, final_norm, out + b * H, H, eps);
+    }
+}
+#endif

@@ -1,0 +1,164 @@
+"""The CPU decode step: every layer of a dense Llama-family model (Llama, SmolLM2, Mistral, Qwen2, Qwen3)
+in one call into the C kernels (kernel/cpu.py `decode_step`), the CPU's counterpart of a decode graph.
+
+The layers' Python issues about a dozen kernel calls per layer, each a few microseconds of dispatch: on a
+small model that was as long as the GEMVs themselves (docs/BENCHMARKS.md). The step runs the same kernels
+in the same order inside one parallel region, so it computes what the layers compute; the LM head and
+sampling stay with the engine. Models or settings it does not cover (MoE, tensor parallelism, half
+precision, another attention backend) keep the layer-by-layer path."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl import kernel
+from minisgl.attention.cpu_backend import CpuAttnBackend
+from minisgl.kernel import StoredWeight
+from minisgl.kernel import cpu as cpu_kernels
+from minisgl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from minisgl.utils import init_logger
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache import KVPool
+
+logger = init_logger(__name__)
+
+_MAX_PARTS = 3  # LIN_WORDS in cpu_kernels.c: 2 + 5 per part
+_LIN_WORDS = 2 + 5 * _MAX_PARTS
+
+
+class Unsupported(Exception):
+    """Why the step does not cover this model or setting (the layers run instead)."""
+
+
+def _linear_words(module: torch.nn.Module, keep: list) -> list[int]:
+    """A linear layer's descriptor: its weight's parts (packed float32 panels or stored rows), its bias."""
+    w, bias = module.weight, module.bias
+    if bias is not None:
+        if bias.dtype != torch.float32:
+            raise Unsupported("a bias not in float32")
+        bias = bias.detach().contiguous()
+        keep.append(bias)
+    parts: list[int] = []
+    if isinstance(w, StoredWeight):
+        if len(w.parts) > _MAX_PARTS:
+            raise Unsupported(f"a weight in {len(w.parts)} parts")
+        for p in w.parts:
+            if not cpu_kernels.stored_type_supported(p.ggml_type) or p.data.stride(1) != 1:
+                raise Unsupported(f"GGML type {p.ggml_type}")
+            keep.append(p.data)
+            parts += [1, p.ggml_type, p.data.data_ptr(), p.data.stride(0), p.n]
+    else:
+        if w.dtype != torch.float32:
+            raise Unsupported(f"{w.dtype} weights")
+        packed = kernel._cpu_packed_weight(w)  # the same panels kernel.linear multiplies by
+        if packed is None:
+            raise Unsupported("no packed float32 linear in this build")
+        keep.append(packed)
+        parts += [0, 0, packed.data_ptr(), 0, w.shape[0]]
+    nparts = len(parts) // 5
+    parts += [0] * (5 * (_MAX_PARTS - nparts))
+    return [nparts, bias.data_ptr() if bias is not None else 0, *parts]
+
+
+def _norm_ptr(norm: torch.nn.Module | None, keep: list) -> int:
+    if norm is None:
+        return 0
+    w = norm.weight.detach()
+    if w.dtype != torch.float32 or not w.is_contiguous():
+        raise Unsupported("a norm weight not in contiguous float32")
+    keep.append(w)
+    return w.data_ptr()
+
+
+def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, keep: list) -> list[int]:
+    if type(layer.mlp) is not LlamaMLP or not isinstance(layer, LlamaDecoderLayer):
+        raise Unsupported("a mixture-of-experts or non-Llama layer")
+    attn: LlamaAttention = layer.self_attn
+    if attn.o_proj.tp_size != 1:
+        raise Unsupported("tensor parallelism")
+    lid = attn.attn.layer_id
+    k_cache, v_cache = kv_pool.k(lid), kv_pool.v(lid)
+    words = [_norm_ptr(layer.input_layernorm, keep), _norm_ptr(layer.post_attention_layernorm, keep)]
+    words += [_norm_ptr(attn.q_norm, keep), _norm_ptr(attn.k_norm, keep)]
+    words += [k_cache.data_ptr(), v_cache.data_ptr()]
+    for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        words += _linear_words(proj, keep)
+    return words
+
+
+class CpuDecodeStep:
+    """Runs a decode batch's layers in one C call; `create` returns None where the model is not covered."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, page_table: torch.Tensor) -> None:
+        cfg, inner = model.config, model.model
+        self._keep: list = []  # every tensor whose address the descriptors hold
+        layers = [_layer_words(layer, kv_pool, self._keep) for layer in inner.layers]
+        attn0 = inner.layers[0].self_attn
+        norm_eps = {m.eps for layer in inner.layers for m in layer.modules() if hasattr(m, "eps")}
+        norm_eps.add(inner.norm.eps)
+        if len(norm_eps) != 1:
+            raise Unsupported("norms with different eps")
+        self.eps, self.scale = norm_eps.pop(), attn0.attn.scale
+        cos_sin = attn0.rotary.cos_sin_cache  # every layer's table is the same (one config)
+        embed = inner.embed_tokens.weight
+        if isinstance(embed, StoredWeight):
+            if len(embed.parts) != 1 or not cpu_kernels.stored_type_supported(embed.parts[0].ggml_type):
+                raise Unsupported("an embedding in several parts")
+            p = embed.parts[0]
+            emb = [1, p.ggml_type, p.data.data_ptr(), p.data.stride(0)]
+            self._keep.append(p.data)
+        else:
+            if embed.dtype != torch.float32 or inner.embed_tokens.tp_size != 1:
+                raise Unsupported("the embedding's dtype or sharding")
+            emb = [2, 0, embed.data_ptr(), embed.stride(0) * 4]
+        self._keep += [cos_sin, page_table]
+        self.hidden = cfg.hidden_size
+        self.qkv = (attn0.num_heads + 2 * attn0.num_kv_heads) * cfg.head_dim
+        self.q = attn0.num_heads * cfg.head_dim
+        self.inter = inner.layers[0].mlp.down_proj.input_shard
+        dims = [len(layers), cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim, self.inter]
+        model_words = [*dims, cos_sin.shape[1], cos_sin.data_ptr(), _norm_ptr(inner.norm, self._keep)]
+        model_words += [page_table.data_ptr(), page_table.stride(0), *emb]
+        self.model_desc = torch.tensor(model_words, dtype=torch.int64)
+        self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
+        self._scratch = torch.empty(0)
+
+    @classmethod
+    def create(cls, model, kv_pool, page_table, attn_backend, dtype: torch.dtype) -> CpuDecodeStep | None:
+        """The step for this model, or None (logged) where the layers must run instead."""
+        try:
+            if dtype != torch.float32 or not isinstance(attn_backend, CpuAttnBackend):
+                raise Unsupported(f"{dtype} with {type(attn_backend).__name__}")
+            if not cpu_kernels.decode_step_available():
+                raise Unsupported("a build without AVX2")
+            step = cls(model, kv_pool, page_table)
+        except (Unsupported, AttributeError) as e:
+            logger.info(f"CPU decode step off ({e or 'not a Llama-family model'}): layer by layer")
+            return None
+        logger.info("CPU decode step on: each decode batch's layers in one C call")
+        return step
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """The final hidden states [B, hidden] of a decode batch whose inputs and metadata are prepared."""
+        meta = batch.attn_metadata
+        B, H = batch.size, self.hidden
+        need = B * (3 * H + self.qkv + self.q + 3 * self.inter)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        i64 = torch.int64
+        tokens = (
+            batch.input_ids.to(i64).contiguous(),
+            batch.positions.to(i64).contiguous(),
+            batch.out_loc.to(i64).contiguous(),
+            meta.rows.contiguous(),
+            meta.lens.contiguous(),
+        )
+        out = torch.empty(B, H, dtype=torch.float32)
+        cpu_kernels.decode_step(
+            self.model_desc, self.layers_desc, tokens, self._scratch, out, self.eps, self.scale
+        )
+        return out
