@@ -32,10 +32,12 @@ def _naive_decode_attention(q, k_cache, v_cache, page_table, rows, lens, scale):
 @needs_kernels
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (7, 1)])
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # 64 and 128 take the AVX2 path where it exists
-@pytest.mark.parametrize("lens", [[1], [7, 8, 9], [33, 1, 100, 64, 5]])
-def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens):
+# one or two long requests: each (request, KV head) cut into splits merged after (an empty one for [1, 700])
+@pytest.mark.parametrize("lens", [[1], [7, 8, 9], [33, 1, 100, 64, 5], [300], [1, 700]])
+@pytest.mark.parametrize("threads", [1, 2])  # the number of splits follows the threads
+def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens, threads):
     g = torch.Generator().manual_seed(len(lens) * 131 + head_dim)
-    num_slots, max_len = 400, 128
+    num_slots, max_len = max(400, sum(lens)), max(128, max(lens))
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g) * 2
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
     page_table = torch.zeros(len(lens) + 2, max_len, dtype=torch.int32)
@@ -48,7 +50,12 @@ def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens)
     q = torch.randn(len(lens), num_heads, head_dim, generator=g)
     lens_t = torch.tensor(lens, dtype=torch.int64)
     scale = head_dim**-0.5
-    out = cpu_kernels.decode_attention(q, k_cache, v_cache, page_table, rows, lens_t, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.decode_attention(q, k_cache, v_cache, page_table, rows, lens_t, scale)
+    finally:
+        torch.set_num_threads(before)
     expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows.tolist(), lens, scale)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 

@@ -13,6 +13,8 @@
 
 #include <float.h>
 #include <math.h>
+#include <omp.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -35,11 +37,11 @@ static void online_softmax_finish(const float *acc, const float *l, int G, int D
     }
 }
 
-/* Portable version: any G and D. */
+/* Portable version: any G and D. Advances the online-softmax state (m, l, acc) over keys slots[0..len). */
 static void attend_group_scalar(const float *q, const float *k, const float *v, int64_t slot_stride,
-                         const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
-    float m[G], l[G], acc[G * D], s[G * CHUNK];
-    online_softmax_init(m, l, acc, G, D);
+                                const int32_t *slots, int64_t len, int G, int D, float scale, float *m, float *l,
+                                float *acc) {
+    float s[G * CHUNK];
 
     for (int64_t start = 0; start < len; start += CHUNK) {
         int n = (int)(len - start < CHUNK ? len - start : CHUNK);
@@ -73,8 +75,7 @@ static void attend_group_scalar(const float *q, const float *k, const float *v, 
             }
         }
     }
-    online_softmax_finish(acc, l, G, D, out);
-}
+    }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -116,10 +117,10 @@ static inline __m256 exp8(__m256 x) {
 /* AVX2 version for D % 32 == 0: two FMA chains per dot product, the V sum in blocks of 32 floats held in
  * registers across a chunk (the chunk's V rows stay in L1 while each query head reads them). */
 static void attend_group_avx2(const float *q, const float *k, const float *v, int64_t slot_stride,
-                              const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
-    float m[G], l[G], corr[G], acc[G * D];
+                              const int32_t *slots, int64_t len, int G, int D, float scale, float *m, float *l,
+                              float *acc) {
+    float corr[G];
     float s[G * CHUNK] __attribute__((aligned(32)));
-    online_softmax_init(m, l, acc, G, D);
 
     for (int64_t start = 0; start < len; start += CHUNK) {
         int n = (int)(len - start < CHUNK ? len - start : CHUNK);
@@ -191,8 +192,7 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
             }
         }
     }
-    online_softmax_finish(acc, l, G, D, out);
-}
+    }
 #define NR 16
 #define MR 6
 #define MB 96
@@ -293,34 +293,84 @@ void linear_packed_f32(const float *x, const float *wp, const float *bias, float
 #define HAVE_AVX2 0
 #endif
 
+/* Advances (m, l, acc) over keys slots[0..len) for the G query heads q [G, D] of one KV head. */
 static void attend_group(const float *q, const float *k, const float *v, int64_t slot_stride,
-                         const int32_t *slots, int64_t len, int G, int D, float scale, float *out) {
+                         const int32_t *slots, int64_t len, int G, int D, float scale, float *m, float *l,
+                         float *acc) {
 #if HAVE_AVX2
     if (D % 32 == 0) {
-        attend_group_avx2(q, k, v, slot_stride, slots, len, G, D, scale, out);
+        attend_group_avx2(q, k, v, slot_stride, slots, len, G, D, scale, m, l, acc);
         return;
     }
 #endif
-    attend_group_scalar(q, k, v, slot_stride, slots, len, G, D, scale, out);
+    attend_group_scalar(q, k, v, slot_stride, slots, len, G, D, scale, m, l, acc);
 }
+
+#define SPLIT_MIN 64 /* keys per split at least */
 
 /* q, out: [B, Hq, D], rows q_stride floats apart for q, contiguous for out. k, v: [slots, Hkv, D]
  * contiguous. page_table: [rows, table_stride] int32. rows[b]: request b's page-table row; lens[b]: its
  * number of keys (all positions up to and including the query's). Query head h reads KV head h / (Hq / Hkv).
- * For the threads of an enclosing parallel region. */
+ * For the threads of an enclosing parallel region. One task per (request, KV head); where there are fewer
+ * than two a thread (a lone request), each task's keys are cut into splits whose softmax states are
+ * merged after: with 3 KV heads on 2 threads one thread would otherwise attend twice as long. */
 static void decode_attention_work(const float *q, int64_t q_stride, const float *k, const float *v,
                                   const int32_t *page_table, int64_t table_stride, const int64_t *rows,
                                   const int64_t *lens, float *out, int B, int Hq, int Hkv, int D, float scale) {
-    int G = Hq / Hkv;
-    int64_t slot_stride = (int64_t)Hkv * D;
+    const int G = Hq / Hkv, nt = omp_get_num_threads();
+    const int64_t slot_stride = (int64_t)Hkv * D;
+    int64_t longest = 0;
+    for (int b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
+    int S = B * Hkv < 2 * nt ? (2 * nt + B * Hkv - 1) / (B * Hkv) : 1;
+    if (S > longest / SPLIT_MIN) S = longest / SPLIT_MIN > 1 ? (int)(longest / SPLIT_MIN) : 1;
+    if (S == 1) {
 #pragma omp for collapse(2) schedule(dynamic)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < Hkv; h++) {
-            int64_t o_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
-            attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
-                         slot_stride, page_table + rows[b] * table_stride, lens[b], G, D, scale, out + o_off);
+        for (int b = 0; b < B; b++) {
+            for (int h = 0; h < Hkv; h++) {
+                float m[G], l[G], acc[G * D];
+                int64_t o_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
+                online_softmax_init(m, l, acc, G, D);
+                attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
+                             slot_stride, page_table + rows[b] * table_stride, lens[b], G, D, scale, m, l, acc);
+                online_softmax_finish(acc, l, G, D, out + o_off);
+            }
         }
+        return;
     }
+    float *part = 0;  // per (request, head, split): m [G], l [G], acc [G, D]
+    const int64_t W = (int64_t)G * (D + 2);
+#pragma omp single copyprivate(part)
+    part = (float *)malloc(sizeof(float) * B * Hkv * S * W);
+#pragma omp for collapse(3) schedule(dynamic)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < Hkv; h++)
+            for (int sp = 0; sp < S; sp++) {
+                float *pm = part + (((int64_t)b * Hkv + h) * S + sp) * W, *pl = pm + G, *pa = pl + G;
+                int64_t per = (lens[b] + S - 1) / S, lo = sp * per, hi = lo + per < lens[b] ? lo + per : lens[b];
+                online_softmax_init(pm, pl, pa, G, D);
+                if (lo < hi)
+                    attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
+                                 slot_stride, page_table + rows[b] * table_stride + lo, hi - lo, G, D, scale, pm,
+                                 pl, pa);
+            }
+#pragma omp for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < Hkv; h++)
+            for (int g = 0; g < G; g++) {
+                const float *p0 = part + ((int64_t)b * Hkv + h) * S * W;
+                float mx = -FLT_MAX, den = 0.0f, *o = out + ((int64_t)b * Hq + (int64_t)h * G + g) * D;
+                for (int sp = 0; sp < S; sp++) mx = p0[sp * W + g] > mx ? p0[sp * W + g] : mx;
+                for (int d = 0; d < D; d++) o[d] = 0.0f;
+                for (int sp = 0; sp < S; sp++) {
+                    const float *pm = p0 + sp * W;
+                    float c = pm[g] == -FLT_MAX ? 0.0f : expf(pm[g] - mx);  // an empty split adds nothing
+                    den += pm[G + g] * c;
+                    for (int d = 0; d < D; d++) o[d] += pm[2 * G + g * D + d] * c;
+                }
+                for (int d = 0; d < D; d++) o[d] /= den;
+            }
+#pragma omp single
+    free(part);
 }
 
 void decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *page_table,
@@ -663,10 +713,18 @@ static void linear_stored_dot_work(const float *x, int64_t ldx, const uint8_t *w
 }
 
 #if HAVE_AVX2
-/* One block of 32 dequantized into four vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. */
+/* One block of 32 dequantized into four vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
+ * fp16 scale (and Q4_1's minimum) are converted as a broadcast word: no scalar round trip. */
 static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, __m256 v[4]) {
-    const __m256 d = _mm256_set1_ps(fp16_to_f32(rd16(src)));
-    // zero/sign-extending loads straight from memory: one shuffle per 8 quants (the port that limits this)
+    __m256 d, m = _mm256_setzero_ps();
+    if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
+        __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(*(const int32_t *)src));
+        d = _mm256_moveldup_ps(dm);
+        m = _mm256_movehdup_ps(dm);
+    } else {
+        d = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
+    }
+    // zero/sign-extending loads straight from memory: one shuffle per 8 quants
     if (type == GT_Q8_0) {
         for (int i = 0; i < 4; i++)
             v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * i)))), d);
@@ -679,7 +737,6 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
     __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m4)),
                    _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
     if (type == GT_Q4_1) {  // q * d is exact: the fused multiply-add rounds once, like the reference's add
-        const __m256 m = _mm256_set1_ps(fp16_to_f32(rd16(src + 2)));
         for (int i = 0; i < 4; i++) v[i] = _mm256_fmadd_ps(f[i], d, m);
     } else {
         const __m256 eight = _mm256_set1_ps(8.0f);
@@ -688,44 +745,49 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
 }
 
 /* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
- * dequantized into registers once and multiplied into all M rows (4M accumulators). type 0 (any type)
- * reads rows already dequantized into buf [GR][QKC] a chunk at a time instead. */
+ * dequantized into registers once and multiplied into all M rows (two accumulators per pair: the chains of
+ * dependent adds stay short). type 0 (any type) reads rows already dequantized into buf [GR][QKC] a chunk
+ * at a time instead. pf [pf_len): memory the next groups read, prefetched a slice per chunk (a core's own
+ * prefetchers keep too few rows in flight for this rate: measured 5 GB/s without, on the 2-core EPYC). */
 static inline __attribute__((always_inline)) void dot_group(const int type, const int M, const float *x,
                                                             int64_t ldx, const uint8_t *const p[GR], int wtype,
                                                             int64_t K, const uint8_t *pf, int64_t pf_len,
                                                             float out[GR][3]) {
-    __m256 acc[GR][3];
+    __m256 acc[GR][3][2];
     float buf[GR * QKC] __attribute__((aligned(32)));
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-    const int64_t bb = type ? block_bytes(type) : 0;
-    for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+    const int64_t bb = type ? block_bytes(type) : 0, chunks = (K + QKC - 1) / QKC;
+    const int64_t pf_step = (pf_len + chunks - 1) / chunks;
+    for (int64_t k0 = 0, c = 0; k0 < K; k0 += QKC, c++) {
         int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+        for (int64_t line = c * pf_step; line < (c + 1) * pf_step && line < pf_len; line += 64)
+            _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
         if (!type)
             for (int r = 0; r < GR; r++) dequant_span(wtype, p[r], k0, kc, buf + r * QKC);
         for (int64_t k = 0; k < kc; k += 32) {
             for (int r = 0; r < GR; r++) {
                 __m256 v[4];
                 if (type) {
-                    // one line of a later group per block: a core's own prefetchers keep too few rows in
-                    // flight for this rate (measured: 5 GB/s without, on the 2-core EPYC)
-                    int64_t line = ((k0 + k) / 32 * GR + r) * 64;
-                    if (line < pf_len) _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
                     deq32(type, p[r] + (k0 + k) / 32 * bb, v);
                 } else {
                     for (int i = 0; i < 4; i++) v[i] = _mm256_load_ps(buf + r * QKC + k + 8 * i);
                 }
                 for (int m = 0; m < M; m++) {
                     const float *xm = x + m * ldx + k0 + k;
-                    __m256 a = acc[r][m];
-                    for (int i = 0; i < 4; i++) a = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xm + 8 * i), a);
-                    acc[r][m] = a;
+                    __m256 a0 = acc[r][m][0], a1 = acc[r][m][1];
+                    a0 = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), a0);
+                    a1 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), a1);
+                    a0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), a0);
+                    a1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), a1);
+                    acc[r][m][0] = a0;
+                    acc[r][m][1] = a1;
                 }
             }
         }
     }
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]);
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
 }
 
 #define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
