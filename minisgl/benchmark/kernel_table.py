@@ -222,7 +222,7 @@ _KINDS = [
     (r"_stats_kernel|_search_kernel|_draw_kernel|_pick_kernel|sampl", "sampling"),
     (r"decode_merge|merge_splits", "attn merge"),
     (r"decode_split|extend_kernel|attention|flash|fmha", "attention"),
-    (r"rotary|store_kv|rope", "rotary / kv store"),
+    (r"rotary|store_kv|_rope|rope_", "rotary / kv store"),
     (r"rms_norm|rmsnorm|layer_norm", "rms norm"),
     (r"silu_and_mul|silu|swiglu|act_and_mul", "silu_and_mul"),
     (r"splitkreduce|splitk_reduce|reduce_splitk", "gemm helper"),
@@ -264,8 +264,13 @@ def short_name(name: str, width: int = 48) -> str:
     s = s.removeprefix("void ")
     base = _outer(s).rsplit("::", 1)[-1] or s
     if base in ("Kernel", "Kernel2", "device_kernel") and "<" in s:
-        inner = s[s.index("<") + 1 :]
-        base = _outer(inner.split(",", 1)[0].rstrip(">")).rsplit("::", 1)[-1] or base
+        start, depth = s.index("<"), 0
+        for end in range(start, len(s)):  # the '>' closing the first '<'
+            depth += {"<": 1, ">": -1}.get(s[end], 0)
+            if depth == 0:
+                break
+        first = s[start + 1 : end].split(",", 1)[0]
+        base = _outer(first).rsplit("::", 1)[-1] or base
     return base if len(base) <= width else base[: width - 3] + "..."
 
 
@@ -322,6 +327,7 @@ class Row:
     op: str
     kernels: dict[str, float] = field(default_factory=dict)  # short name -> launches a step
     launches: float = 0.0
+    helper_launches: float = 0.0  # of them, cuBLAS's split-K reductions (the model counts GEMMs only)
     us: float = 0.0  # the kernels' spans
     exclusive_us: float = 0.0
     bytes: int | None = None
@@ -344,6 +350,8 @@ def build_rows(
         key = short_name(ev.name)
         row.kernels[key] = row.kernels.get(key, 0.0) + 1 / steps
         row.launches += 1 / steps
+        if kernel_kind(ev.name) == "gemm helper":
+            row.helper_launches += 1 / steps
         row.us += ev.dur / steps
         row.exclusive_us += excl / steps
     if "projections" in rows:  # positions unknown: the row holds every projection, so all their bytes
@@ -375,7 +383,8 @@ def _kernels_cell(kernels: dict[str, float], limit: int = 3) -> str:
 
 def _launches_cell(row: Row) -> str:
     text = f"{row.launches:g}"
-    if row.model_launches is not None and abs(row.launches - row.model_launches) > 1e-6:
+    main = row.launches - row.helper_launches
+    if row.model_launches is not None and abs(main - row.model_launches) > 1e-6:
         text += f" (model: {row.model_launches})"  # the dispatch ran other kernels than modelled
     return text
 
@@ -450,6 +459,7 @@ def to_json(tables: Sequence[Table]) -> str:
                 "op": r.op,
                 "kernels": r.kernels,
                 "launches": r.launches,
+                "helper_launches": r.helper_launches,
                 "model_launches": r.model_launches,
                 "us": r.us,
                 "exclusive_us": r.exclusive_us,
