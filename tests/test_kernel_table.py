@@ -403,3 +403,25 @@ def test_the_kernel_table_on_a_gpu_attributes_every_kernel(tmp_path):
                 main = row["launches"] - row["helper_launches"]
                 assert main == pytest.approx(row["model_launches"]), (row, t["first_step"])
         assert 0 < t["totals"]["busy_us"] <= t["totals"]["wall_us"] * 1.2
+
+
+def test_a_kernel_table_runs_its_steady_state_and_drains_it_on_a_cpu(tiny_model_dirs):
+    """The whole flow but the device activity (a CPU profile has none): the steady decode state, the
+    timing, the profiled steps served by the (emulated) decode graph, the bytes model at the padded size,
+    and the batch run to completion afterwards."""
+    from helpers import make_llm
+
+    args = profile_step.build_parser().parse_args(["--batch", "3", "--context", "12", "--steps", "2"])
+    path = tiny_model_dirs["qwen3"]
+    with make_llm(path, max_running_req=4, cuda_graph_max_bs=4, num_pages=256) as llm:
+        engine = llm.scheduler.engine
+        shape = kt.DecodeShape.of(engine.model_config, engine.dtype.itemsize, engine.kv_dtype.itemsize)
+        table = profile_step._kernel_table(llm, args, 3, 100, 1e12, shape)
+        assert not llm.scheduler.has_work and not llm.scheduler.reqs
+    assert table.rows == [] and table.wall_us > 0
+    meta = table.meta
+    assert (meta["batch"], meta["padded"], meta["graphed"]) == (3, 4, True)
+    # 12-token prompts, then 5 warm-up + 2 timed + 1 warm-up profile decode steps of one key each: the
+    # first profiled step attends 12 + 8 + 1 keys (its own new one too), one more each step after
+    assert meta["mean_keys"] == 12 + 8 + 1 + (profile_step.PROFILE_STEPS - 1) / 2
+    assert "batch 3 (graph of 4)" in table.title

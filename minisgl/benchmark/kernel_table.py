@@ -261,6 +261,8 @@ def short_name(name: str, width: int = 48) -> str:
     """A kernel name without its return type, namespaces, template arguments and parameter list; a
     generic CUTLASS wrapper (Kernel, Kernel2, device_kernel) is named by its first template argument."""
     s = name.strip()
+    if kernel_kind(s) == "memcpy / memset":  # "Memcpy HtoD (Pinned -> Device)": no C++ to strip
+        return s
     s = s.removeprefix("void ")
     base = _outer(s).rsplit("::", 1)[-1] or s
     if base in ("Kernel", "Kernel2", "device_kernel") and "<" in s:
@@ -430,7 +432,7 @@ def markdown(table: Table) -> str:
         lines.append(
             f"| {r.op} | {_kernels_cell(r.kernels)} | {_launches_cell(r)} | {r.us:.1f} | "
             f"{r.exclusive_us:.1f} | {r.exclusive_us / wall:.1%} | {fmt_bytes(r.bytes)} | "
-            f"{'—' if floor is None else f'{floor:.1f}'} | {of_floor} |"
+            f"{'—' if floor is None else f'{floor:.1f}' if floor >= 10 else f'{floor:.2f}'} | {of_floor} |"
         )
     t = table.totals()
     lines.append(

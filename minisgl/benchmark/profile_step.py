@@ -24,6 +24,7 @@ from minisgl.core import Phase, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils import options
+from minisgl.utils.device import is_cuda, synchronize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,17 +186,18 @@ def _steady_decode(
 ) -> None:
     """Queue `batch` requests of random prompts of lo..hi tokens (uids from uid0), run their prefill and
     five decode steps: the steady decode state the measurements start from."""
+    top = min(10000, s.vocab_size - 1)  # 10000 for the real vocabularies; a tiny test model has fewer
     for i in range(batch):
         s.add_request(
             uid0 + i,
-            [random.randint(0, 10000) for _ in range(random.randint(lo, hi))],
+            [random.randint(0, top) for _ in range(random.randint(lo, hi))],
             SamplingParams(max_tokens=max_tokens, ignore_eos=True, json_schema=schema),
         )
     while s.prefill.waiting or s.prefill.chunked or s.grammar.compiling:
         s.step()
     for _ in range(5):
         s.step()
-    torch.cuda.synchronize()
+    synchronize(s.device)
 
 
 def llm_options(args: argparse.Namespace, **fallback: Any) -> dict[str, Any]:
@@ -319,13 +321,18 @@ def _kernel_table(llm: LLM, args: argparse.Namespace, batch: int, uid0: int, ban
     t = time.perf_counter()
     for _ in range(args.steps):
         s.step()
-    torch.cuda.synchronize()
+    synchronize(engine.device)
     wall = (time.perf_counter() - t) / args.steps
-    _profile_steps(s, 1)  # the profiler's first start initialises CUPTI: not inside the measured steps
+    _profile_steps(s, 1, engine.device)  # the first start initialises CUPTI: not in the measured steps
     runner = engine.graph_runner
     replays = runner.replays if runner is not None else 0
     keys = sorted((r.cached_len for r in s.decode.running), reverse=True)  # the next step's positions
-    events, averages = _profile_steps(s, PROFILE_STEPS)
+    events, averages = _profile_steps(s, PROFILE_STEPS, engine.device)
+    if not events and is_cuda(engine.device):
+        raise SystemExit(
+            "the profile holds no device kernels: CUPTI recorded no CUDA activity (is another profiler "
+            "attached, or CUDA activity unavailable in this torch build?)"
+        )
     graphed = runner is not None and runner.replays - replays == PROFILE_STEPS
     model, padded, num_splits = _step_model(engine, shape, keys, batch, graphed)
     mean_keys = sum(keys) / max(1, len(keys)) + 1 + (PROFILE_STEPS - 1) / 2
@@ -351,7 +358,7 @@ def _kernel_table(llm: LLM, args: argparse.Namespace, batch: int, uid0: int, ban
     print(averages)
     while s.has_work:  # finish the batch: the next batch size starts from an empty engine
         s.step()
-    torch.cuda.synchronize()
+    synchronize(engine.device)
     rows = build_rows(events, PROFILE_STEPS, shape.layers, model)
     return Table(title, rows, bandwidth, wall * 1e6, meta)
 
@@ -381,15 +388,17 @@ def _step_model(engine, shape, keys: list[int], batch: int, graphed: bool) -> tu
     return model, padded, num_splits
 
 
-def _profile_steps(s, steps: int):
-    """(device events, torch's own top-kernel table) of `steps` scheduler steps under torch.profiler."""
+def _profile_steps(s, steps: int, device: torch.device):
+    """(device events, torch's own top-kernel table) of `steps` scheduler steps under torch.profiler (on a
+    CPU, which the tests run, there are no device events)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()  # nothing earlier still runs inside the window
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda(device) else [])
+    synchronize(device)  # nothing earlier still runs inside the window
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             s.step()
-        torch.cuda.synchronize()
+        synchronize(device)
     events = _device_events(prof)
     try:
         averages = prof.key_averages().table(
@@ -416,11 +425,6 @@ def _device_events(prof) -> list:
         print(f"reading the profile's Chrome trace failed ({e!r}); using its events instead")
     if not events:
         events = events_from_function_events(prof.events())
-    if not events:
-        raise SystemExit(
-            "the profile holds no device kernels: CUPTI recorded no CUDA activity (is another profiler "
-            "attached, or CUDA activity unavailable in this torch build?)"
-        )
     return events
 
 
