@@ -24,7 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Qwen3-0.6B, by hand from its config.json
 H, HQ, HKV, D, I, V, L = 1024, 16, 8, 128, 3072, 151936, 28
-QWEN = kt.DecodeShape(hidden=H, heads=HQ, kv_heads=HKV, head_dim=D, intermediate=I, vocab=V, layers=L)
+QWEN = kt.DecodeShape(
+    hidden=H, heads=HQ, kv_heads=HKV, head_dim=D, intermediate=I, vocab=V, layers=L, qk_norm=True
+)
 MB = 1 << 20
 
 
@@ -405,23 +407,48 @@ def test_the_kernel_table_on_a_gpu_attributes_every_kernel(tmp_path):
         assert 0 < t["totals"]["busy_us"] <= t["totals"]["wall_us"] * 1.2
 
 
-def test_a_kernel_table_runs_its_steady_state_and_drains_it_on_a_cpu(tiny_model_dirs):
-    """The whole flow but the device activity (a CPU profile has none): the steady decode state, the
-    timing, the profiled steps served by the (emulated) decode graph, the bytes model at the padded size,
-    and the batch run to completion afterwards."""
+def test_profile_ranges_are_read_and_select_the_activities_inside_them(tmp_path):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("kernel_table batch 8"):
+            torch.ones(64).add_(1)
+        with record_function("unrelated"):
+            torch.ones(64).add_(1)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    windows = kt.windows_from_trace(json.loads(path.read_text()), "kernel_table batch ")
+    assert list(windows) == ["kernel_table batch 8"]
+    start, end = windows["kernel_table batch 8"]
+    assert end > start
+    assert list(kt.windows_from_function_events(prof.events(), "kernel_table batch ")) == [
+        "kernel_table batch 8"
+    ]
+    events = [kt.DeviceEvent("a", 1.0, 5.0), kt.DeviceEvent("b", 10.0, 1.0), kt.DeviceEvent("c", 20.0, 1.0)]
+    assert [ev.name for ev in kt.in_window(events, (10.0, 20.0))] == ["b", "c"]
+
+
+def test_kernel_tables_run_their_steady_states_in_one_session_on_a_cpu(tiny_model_dirs, tmp_path):
+    """The whole flow but the device activity (a CPU profile has none): per batch size the steady decode
+    state timed without the profiler, then its profiled steps in one session, served by the (emulated)
+    decode graph, the bytes model at the padded size, the requests run to their end; JSON written."""
     from helpers import make_llm
 
-    args = profile_step.build_parser().parse_args(["--batch", "3", "--context", "12", "--steps", "2"])
-    path = tiny_model_dirs["qwen3"]
-    with make_llm(path, max_running_req=4, cuda_graph_max_bs=4, num_pages=256) as llm:
+    out = tmp_path / "tables.json"
+    argv = ["--batch", "3,1", "--context", "12", "--steps", "2", "--kernel-table", "--json", str(out)]
+    args = profile_step.build_parser().parse_args(argv)
+    with make_llm(tiny_model_dirs["qwen3"], max_running_req=4, cuda_graph_max_bs=4, num_pages=256) as llm:
         engine = llm.scheduler.engine
         shape = kt.DecodeShape.of(engine.model_config, engine.dtype.itemsize, engine.kv_dtype.itemsize)
-        table = profile_step._kernel_table(llm, args, 3, 100, 1e12, shape)
+        tables = profile_step.emit_kernel_tables(llm, args, shape, 1e12)
         assert not llm.scheduler.has_work and not llm.scheduler.reqs
-    assert table.rows == [] and table.wall_us > 0
-    meta = table.meta
-    assert (meta["batch"], meta["padded"], meta["graphed"]) == (3, 4, True)
-    # 12-token prompts, then 5 warm-up + 2 timed + 1 warm-up profile decode steps of one key each: the
-    # first profiled step attends 12 + 8 + 1 keys (its own new one too), one more each step after
-    assert meta["mean_keys"] == 12 + 8 + 1 + (profile_step.PROFILE_STEPS - 1) / 2
-    assert "batch 3 (graph of 4)" in table.title
+    assert [t.rows for t in tables] == [[], []] and all(t.wall_us > 0 for t in tables)
+    assert [(t.meta["batch"], t.meta["padded"], t.meta["graphed"]) for t in tables] == [
+        (3, 4, True),
+        (1, 1, True),
+    ]
+    # 12-token prompts, then 5 warm-up decode steps of one key each: the first profiled step attends
+    # 12 + 5 + 1 keys (its own new one too), one more each step after
+    assert tables[0].meta["mean_keys"] == 12 + 5 + 1 + (profile_step.PROFILE_STEPS - 1) / 2
+    assert "batch 3 (graph of 4)" in tables[0].title
+    assert [t["batch"] for t in json.loads(out.read_text())] == [3, 1]

@@ -76,6 +76,7 @@ class DecodeShape:
     layers: int
     dtype_bytes: int = 2
     kv_bytes: int = 2
+    qk_norm: bool = False  # Qwen3's RMSNorm over each head of q and k (its weights are read too)
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype_bytes: int = 2, kv_bytes: int = 2) -> DecodeShape:
@@ -92,6 +93,7 @@ class DecodeShape:
             cfg.num_layers,
             dtype_bytes,
             kv_bytes,
+            qk_norm=cfg.architecture.startswith("Qwen3"),
         )
 
 
@@ -196,7 +198,8 @@ def _attention_bytes(
     kv_dim = shape.kv_heads * d
     per_layer = keys * (2 * kv_dim * shape.kv_bytes + 4)  # K and V, and the int32 page-table entry
     per_layer += b * shape.heads * d * e + 2 * b * kv_dim * e + 2 * b * kv_dim * shape.kv_bytes
-    per_layer += b * d * 4 + 2 * d * e + 4 * b * 4  # cos|sin row (float32), q/k norm weights, metadata
+    per_layer += b * d * 4 + 4 * b * 4  # the cos|sin row (float32) and positions, slots, rows, lengths
+    per_layer += 2 * d * e if shape.qk_norm else 0
     merge = 0
     if num_splits > 1:  # partial outputs and log2-sum-exps (float32) of the splits that hold keys
         parts = sum(used_splits(n, num_splits, block_n) for n in seq_lens) * shape.heads * (d + 1) * 4
@@ -487,6 +490,32 @@ def events_from_trace(trace: dict) -> list[DeviceEvent]:
         if str(ev.get("cat", "")).lower() in _DEVICE_CATS and ev.get("ph", "X") == "X" and "ts" in ev
     ]
     return sorted(out, key=lambda ev: ev.start)
+
+
+def windows_from_trace(trace: dict, prefix: str) -> dict[str, tuple[float, float]]:
+    """name -> (start, end) of the host ranges (torch.profiler.record_function, kineto's "user_annotation")
+    whose name starts with `prefix`, in the trace's clock (the device activities' too)."""
+    return {
+        str(ev["name"]): (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)))
+        for ev in trace.get("traceEvents", [])
+        if str(ev.get("cat", "")).lower() == "user_annotation" and str(ev.get("name", "")).startswith(prefix)
+    }
+
+
+def windows_from_function_events(function_events, prefix: str) -> dict[str, tuple[float, float]]:
+    """The same from torch.profiler's FunctionEvents: the host-side ranges whose name starts with `prefix`."""
+    return {
+        ev.name: (float(ev.time_range.start), float(ev.time_range.end))
+        for ev in function_events
+        if ev.name.startswith(prefix) and not str(getattr(ev, "device_type", "")).upper().endswith("CUDA")
+    }
+
+
+def in_window(events: Sequence[DeviceEvent], window: tuple[float, float]) -> list[DeviceEvent]:
+    """The events that start inside the window (the host range around a measurement, which waits for the
+    device before and after, so every activity it launched starts inside it and no other does)."""
+    start, end = window
+    return [ev for ev in events if start <= ev.start <= end]
 
 
 def events_from_function_events(function_events) -> list[DeviceEvent]:

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+WARM_STEPS = 5  # decode steps of the steady state before a measurement starts
+
 # --constrained's schema: one string of at least 100k characters, so no request can complete its JSON during
 # the measured steps (the batch stays full), with the mask of a JSON string (nearly every token allowed)
 LONG_STRING_SCHEMA = {
@@ -185,7 +187,7 @@ def _steady_decode(
     s, batch: int, lo: int, hi: int, max_tokens: int, uid0: int = 0, schema: dict | None = None
 ) -> None:
     """Queue `batch` requests of random prompts of lo..hi tokens (uids from uid0), run their prefill and
-    five decode steps: the steady decode state the measurements start from."""
+    WARM_STEPS decode steps: the steady decode state the measurements start from."""
     top = min(10000, s.vocab_size - 1)  # 10000 for the real vocabularies; a tiny test model has fewer
     for i in range(batch):
         s.add_request(
@@ -195,7 +197,7 @@ def _steady_decode(
         )
     while s.prefill.waiting or s.prefill.chunked or s.grammar.compiling:
         s.step()
-    for _ in range(5):
+    for _ in range(WARM_STEPS):
         s.step()
     synchronize(s.device)
 
@@ -273,18 +275,20 @@ def timeline(args: argparse.Namespace) -> None:
 
 # ---- --kernel-table -------------------------------------------------------------------------------------
 PROFILE_STEPS = 5  # decode steps a kernel table averages over
+_WINDOW = "kernel_table batch "  # the profiler's host range around a batch size's profiled steps
 
 
 def kernel_tables(args: argparse.Namespace) -> None:
     """--kernel-table: per batch size of --batch, the steady decode state at --context keys a request
-    (decode CUDA graph as normal), its wall time a step, then a profile of PROFILE_STEPS steps whose
-    device kernels are grouped by op against the op's bytes at the copy bandwidth (measured first)."""
+    (the decode CUDA graph as normal): its wall time a step without the profiler, then, in one profiler
+    session for all batch sizes, PROFILE_STEPS steps whose device kernels are grouped by op against the
+    op's bytes at the copy bandwidth (measured first)."""
     if not torch.cuda.is_available():
         raise SystemExit(
             "--kernel-table profiles the kernels of a GPU decode step: it needs CUDA, and "
             "torch.cuda.is_available() is False here"
         )
-    from .kernel_table import DecodeShape, markdown, to_json
+    from .kernel_table import DecodeShape
     from .moe_layer import copy_bandwidth
 
     bandwidth = copy_bandwidth()  # before the engine sizes its KV pool from the free memory
@@ -298,49 +302,132 @@ def kernel_tables(args: argparse.Namespace) -> None:
         shape = DecodeShape.of(engine.model_config, engine.dtype.itemsize, engine.kv_dtype.itemsize)
     except ValueError as e:
         raise SystemExit(f"--kernel-table: {e}") from None
+    emit_kernel_tables(llm, args, shape, bandwidth)
+
+
+def emit_kernel_tables(llm: LLM, args: argparse.Namespace, shape, bandwidth: float) -> list:
+    """The tables of every batch size of --batch, printed as Markdown (and written to --json); also runs
+    on a CPU (the tests), where the profile holds no device activity and the tables no rows."""
+    from .kernel_table import markdown, to_json
+
+    s = llm.scheduler
+    walls = [_time_decode(s, args, batch, 1_000_000 * (i + 1)) for i, batch in enumerate(args.batch)]
+    runs, events, windows = _profile_decode(s, args)
     tables = []
-    for i, batch in enumerate(args.batch):
-        random.seed(0)
-        table = _kernel_table(llm, args, batch, 1_000_000 * (i + 1), bandwidth, shape)
+    for batch, wall, run in zip(args.batch, walls, runs):
+        found = windows.get(_WINDOW + str(batch))
+        if found is None and events:
+            raise SystemExit(f"the profile holds no range {_WINDOW + str(batch)!r}: cannot tell its kernels")
+        table = _table(s.engine, args, shape, bandwidth, batch, wall, run, events, found)
         print(markdown(table), flush=True)
         tables.append(table)
+        if args.json:  # after every table: a later batch size that fails leaves the earlier ones
+            with open(args.json, "w") as f:
+                f.write(to_json(tables))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(to_json(tables))
         print(f"wrote {args.json}")
+    return tables
 
 
-def _kernel_table(llm: LLM, args: argparse.Namespace, batch: int, uid0: int, bandwidth: float, shape):
-    """One batch size's table; its requests are run to completion afterwards."""
-    from .kernel_table import Table, build_rows
-
-    s, engine = llm.scheduler, llm.scheduler.engine
+def _time_decode(s, args: argparse.Namespace, batch: int, uid0: int) -> float:
+    """Wall seconds a step of the steady decode state at `batch` requests, without the profiler; the
+    requests then run to their end."""
     lo = args.context if args.min_context is None else args.min_context
-    # warm-up 5, timed, one step under a first (warm-up) profile, PROFILE_STEPS profiled; margin after
-    _steady_decode(s, batch, lo, args.context, args.steps + PROFILE_STEPS + 64, uid0=uid0)
+    random.seed(0)
+    _steady_decode(s, batch, lo, args.context, WARM_STEPS + args.steps + 4, uid0=uid0)
     t = time.perf_counter()
     for _ in range(args.steps):
         s.step()
-    synchronize(engine.device)
+    synchronize(s.device)
     wall = (time.perf_counter() - t) / args.steps
-    _profile_steps(s, 1, engine.device)  # the first start initialises CUPTI: not in the measured steps
-    runner = engine.graph_runner
-    replays = runner.replays if runner is not None else 0
-    keys = sorted((r.cached_len for r in s.decode.running), reverse=True)  # the next step's positions
-    events, averages = _profile_steps(s, PROFILE_STEPS, engine.device)
-    if not events and is_cuda(engine.device):
+    _drain(s)
+    return wall
+
+
+def _drain(s) -> None:
+    """Run the requests to their end (a few steps: their max_tokens leave a margin of 4)."""
+    while s.has_work:
+        s.step()
+    synchronize(s.device)
+
+
+def _profile_decode(s, args: argparse.Namespace) -> tuple[list[dict], list, dict]:
+    """One profiler session (CUPTI starts once: a second start after CUDA graphs were captured is
+    where torch's own notes report crashes) over every batch size's steady state, with PROFILE_STEPS
+    steps of each inside a named host range. Returns per batch size what its bytes model needs, the
+    session's device activities and the ranges."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    # torch turns CUPTI's teardown off for its own CUDA graphs (inductor) for the same reason
+    os.environ.setdefault("TEARDOWN_CUPTI", "0")
+    device, runner = s.device, s.engine.graph_runner
+    lo = args.context if args.min_context is None else args.min_context
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda(device) else [])
+    runs = []
+    with profile(activities=activities) as prof:
+        for i, batch in enumerate(args.batch):
+            random.seed(0)
+            _steady_decode(
+                s, batch, lo, args.context, WARM_STEPS + PROFILE_STEPS + 4, uid0=2_000_000 * (i + 1)
+            )
+            keys = sorted((r.cached_len for r in s.decode.running), reverse=True)  # the next positions
+            replays = runner.replays if runner is not None else 0
+            time.sleep(0.002)  # the range starts well after the last activity before it
+            with record_function(_WINDOW + str(batch)):
+                for _ in range(PROFILE_STEPS):
+                    s.step()
+                synchronize(device)
+            time.sleep(0.002)
+            graphed = runner is not None and runner.replays - replays == PROFILE_STEPS
+            runs.append({"keys": keys, "graphed": graphed, "ran": s.last_batch_size})
+            if i + 1 < len(args.batch):
+                _drain(s)
+    _drain(s)  # the last batch size's, outside the session
+    events, windows = _read_profile(prof)
+    return runs, events, windows
+
+
+def _read_profile(prof) -> tuple[list, dict]:
+    """The session's device activities and named ranges: from its Chrome trace (kineto's categories),
+    else from its FunctionEvents."""
+    from . import kernel_table as kt
+
+    events, windows = [], {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        events, windows = kt.events_from_trace(trace), kt.windows_from_trace(trace, _WINDOW)
+    except (OSError, KeyError, RuntimeError, TypeError, ValueError) as e:  # the FunctionEvents hold them too
+        print(f"reading the profile's Chrome trace failed ({e!r}); using its events instead")
+    if not events or not windows:
+        function_events = prof.events()
+        events = kt.events_from_function_events(function_events)
+        windows = kt.windows_from_function_events(function_events, _WINDOW)
+    if not events and torch.cuda.is_available():
         raise SystemExit(
             "the profile holds no device kernels: CUPTI recorded no CUDA activity (is another profiler "
             "attached, or CUDA activity unavailable in this torch build?)"
         )
-    graphed = runner is not None and runner.replays - replays == PROFILE_STEPS
+    return events, windows
+
+
+def _table(engine, args, shape, bandwidth: float, batch: int, wall: float, run: dict, events, window):
+    """One batch size's Table from its profiled range of the session."""
+    from .kernel_table import Table, build_rows, in_window
+
+    events = in_window(events, window) if window is not None else []
+    keys, graphed = run["keys"], run["graphed"]
     model, padded, num_splits = _step_model(engine, shape, keys, batch, graphed)
+    lo = args.context if args.min_context is None else args.min_context
     mean_keys = sum(keys) / max(1, len(keys)) + 1 + (PROFILE_STEPS - 1) / 2
     notes = [] if graphed else ["not served by the decode CUDA graph"]
-    if s.last_batch_size != batch or len(keys) != batch:
-        notes.append(f"the steps ran {s.last_batch_size} requests, not {batch}")
+    if run["ran"] != batch or len(keys) != batch:
+        notes.append(f"the steps ran {run['ran']} requests, not {batch}")
     title = (
-        f"Decode step, batch {batch}" + (f" (graph of {padded})" if padded != batch else "") + f", "
+        f"Decode step, batch {batch}" + (f" (graph of {padded})" if padded != batch else "") + ", "
         f"{mean_keys:.0f} keys a request (--context {lo}..{args.context}), "
         f"{engine.model_config.architecture} {str(engine.dtype).removeprefix('torch.')}, "
         f"{num_splits} KV split{'s' if num_splits > 1 else ''}" + "".join(f"; {n}" for n in notes)
@@ -354,11 +441,6 @@ def _kernel_table(llm: LLM, args: argparse.Namespace, batch: int, uid0: int, ban
         "profiled_steps": PROFILE_STEPS,
         "first_step": _first_step(events, shape.layers),
     }
-    print(f"batch {batch}: {wall * 1e3:.3f} ms/step over {args.steps} steps; top kernels of the profile:")
-    print(averages)
-    while s.has_work:  # finish the batch: the next batch size starts from an empty engine
-        s.step()
-    synchronize(engine.device)
     rows = build_rows(events, PROFILE_STEPS, shape.layers, model)
     return Table(title, rows, bandwidth, wall * 1e6, meta)
 
@@ -386,46 +468,6 @@ def _step_model(engine, shape, keys: list[int], batch: int, graphed: bool) -> tu
         for op, b in steps[0].items()
     }
     return model, padded, num_splits
-
-
-def _profile_steps(s, steps: int, device: torch.device):
-    """(device events, torch's own top-kernel table) of `steps` scheduler steps under torch.profiler (on a
-    CPU, which the tests run, there are no device events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda(device) else [])
-    synchronize(device)  # nothing earlier still runs inside the window
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            s.step()
-        synchronize(device)
-    events = _device_events(prof)
-    try:
-        averages = prof.key_averages().table(
-            sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
-        )
-    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError) as e:  # sort keys vary by version
-        averages = f"(torch's table unavailable: {e})"
-    return events, averages
-
-
-def _device_events(prof) -> list:
-    """The profile's kernels, memcpys and memsets: from its Chrome trace (kineto's categories), else from
-    its FunctionEvents on the CUDA device."""
-    from .kernel_table import events_from_function_events, events_from_trace
-
-    events = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                events = events_from_trace(json.load(f))
-    except (OSError, KeyError, RuntimeError, TypeError, ValueError) as e:  # the FunctionEvents hold them too
-        print(f"reading the profile's Chrome trace failed ({e!r}); using its events instead")
-    if not events:
-        events = events_from_function_events(prof.events())
-    return events
 
 
 def _first_step(events: list, layers: int) -> list:
