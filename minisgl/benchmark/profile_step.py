@@ -315,9 +315,9 @@ def emit_kernel_tables(llm: LLM, args: argparse.Namespace, shape, bandwidth: flo
     runs, events, windows = _profile_decode(s, args)
     tables = []
     for batch, wall, run in zip(args.batch, walls, runs):
-        found = windows.get(_WINDOW + str(batch))
+        found = windows.get(run["range"])
         if found is None and events:
-            raise SystemExit(f"the profile holds no range {_WINDOW + str(batch)!r}: cannot tell its kernels")
+            raise SystemExit(f"the profile holds no range {run['range']!r}: cannot tell its kernels")
         table = _table(s.engine, args, shape, bandwidth, batch, wall, run, events, found)
         print(markdown(table), flush=True)
         tables.append(table)
@@ -372,14 +372,15 @@ def _profile_decode(s, args: argparse.Namespace) -> tuple[list[dict], list, dict
             )
             keys = sorted((r.cached_len for r in s.decode.running), reverse=True)  # the next positions
             replays = runner.replays if runner is not None else 0
+            name = f"{_WINDOW}{batch} #{i}"  # unique: --batch may name a size twice
             time.sleep(0.002)  # the range starts well after the last activity before it
-            with record_function(_WINDOW + str(batch)):
+            with record_function(name):
                 for _ in range(PROFILE_STEPS):
                     s.step()
                 synchronize(device)
             time.sleep(0.002)
             graphed = runner is not None and runner.replays - replays == PROFILE_STEPS
-            runs.append({"keys": keys, "graphed": graphed, "ran": s.last_batch_size})
+            runs.append({"keys": keys, "graphed": graphed, "ran": s.last_batch_size, "range": name})
             if i + 1 < len(args.batch):
                 _drain(s)
     _drain(s)  # the last batch size's, outside the session
