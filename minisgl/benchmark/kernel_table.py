@@ -233,7 +233,7 @@ _KINDS = [
         r"gemv|gemm|nvjet|cutlass|xmma|cublas|wgmma|s16816|s1688|tensorop|sm90_|sm80_|ampere_|hopper_",
         "projection",
     ),
-    (r"indexselect|vectorized_gather|embedding", "embed"),
+    (r"indexselect|index_select|vectorized_gather|embedding", "embed"),
     (r"elementwise|index|scatter|gather|fill|copy|cat|arange", "small ops"),
 ]
 _KIND_RES = [(re.compile(p, re.IGNORECASE), kind) for p, kind in _KINDS]
