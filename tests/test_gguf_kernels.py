@@ -57,7 +57,8 @@ def test_embedding_rows_are_the_reference_dequantization(name):
 
 @needs_kernels
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])  # 1-3: the dot path, 4+: the panel path
+# 1-6 rows: the dot path (3 rows of x at a time), 7+: the panel path
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9])
 @pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
 def test_linear_equals_reference_matmul(name, rows, n):
     k = 768 if name in ("Q4_K", "Q6_K") else 352  # 352: a last K chunk shorter than 256

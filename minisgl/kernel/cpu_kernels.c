@@ -682,6 +682,9 @@ void dequant_rows(int type, const uint8_t *w, int64_t row_bytes, const int64_t *
 #define QKC 256 /* K elements dequantized at a time: a multiple of every block size */
 #define GR 4    /* weight rows per task on the dot path */
 #define PF_AHEAD 8 /* groups ahead that the dot path prefetches */
+#ifndef DOT_MAX
+#define DOT_MAX 6 /* rows of x up to which the dot path beats the panel path (its dequantizing and transposes) */
+#endif
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.0f;  // vectorised by the compiler (-fassociative-math)
@@ -745,8 +748,8 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
 }
 
 /* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
- * dequantized into registers once and multiplied into all M rows (two accumulators per pair: the chains of
- * dependent adds stay short). type 0 (any type) reads rows already dequantized into buf [GR][QKC] a chunk
+ * dequantized into registers once and multiplied into all M rows (for one row of x two accumulators a weight
+ * row, so the chains of dependent adds stay short). type 0 (any type) reads rows already dequantized into buf [GR][QKC] a chunk
  * at a time instead. pf [pf_len): memory the next groups read, prefetched a slice per chunk (a core's own
  * prefetchers keep too few rows in flight for this rate: measured 5 GB/s without, on the 2-core EPYC). */
 static inline __attribute__((always_inline)) void dot_group(const int type, const int M, const float *x,
@@ -756,7 +759,7 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
     __m256 acc[GR][3][2];
     float buf[GR * QKC] __attribute__((aligned(32)));
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();  // [1]: M == 1 only
     const int64_t bb = type ? block_bytes(type) : 0, chunks = (K + QKC - 1) / QKC;
     const int64_t pf_step = (pf_len + chunks - 1) / chunks;
     for (int64_t k0 = 0, c = 0; k0 < K; k0 += QKC, c++) {
@@ -775,19 +778,24 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
                 }
                 for (int m = 0; m < M; m++) {
                     const float *xm = x + m * ldx + k0 + k;
-                    __m256 a0 = acc[r][m][0], a1 = acc[r][m][1];
-                    a0 = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), a0);
-                    a1 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), a1);
-                    a0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), a0);
-                    a1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), a1);
-                    acc[r][m][0] = a0;
-                    acc[r][m][1] = a1;
+                    if (M == 1) {  // two chains for one row of x; with more rows, those are chains enough
+                        __m256 a0 = acc[r][0][0], a1 = acc[r][0][1];
+                        a0 = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), a0);
+                        a1 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), a1);
+                        a0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), a0);
+                        acc[r][0][1] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), a1);
+                        acc[r][0][0] = a0;
+                    } else {
+                        __m256 a = acc[r][m][0];
+                        for (int i = 0; i < 4; i++) a = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xm + 8 * i), a);
+                        acc[r][m][0] = a;
+                    }
                 }
             }
         }
     }
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) out[r][m] = hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(M == 1 ? _mm256_add_ps(acc[r][m][0], acc[r][m][1]) : acc[r][m][0]);
 }
 
 #define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
@@ -810,7 +818,7 @@ static void dot_group_any(int type, int M, const float *x, int64_t ldx, const ui
     }
 }
 
-/* The dot path for 1..3 rows of x: GR weight rows per task. */
+/* The dot path for 1..DOT_MAX rows of x: GR weight rows per task. */
 static void linear_stored_dot_avx2_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                    const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
                                    int64_t K) {
@@ -821,10 +829,16 @@ static void linear_stored_dot_avx2_work(const float *x, int64_t ldx, const uint8
         float out[GR][3];
         int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
         for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
-        // the group PF_AHEAD groups on (its rows are contiguous), fetched while this one is computed
-        dot_group_any(type, (int)M, x, ldx, p, K, w + (g + PF_AHEAD) * GR * row_bytes, GR * row_bytes, out);
-        for (int m = 0; m < M; m++)
-            for (int r = 0; r < nr; r++) y[m * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+        // three rows of x at a time (the registers hold no more), the group's blocks from L1 after the first
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
+            // the group PF_AHEAD groups on (its rows are contiguous), fetched while this one is computed
+            dot_group_any(type, mr, x + m0 * ldx, ldx, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
+                          m0 ? 0 : GR * row_bytes, out);
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr; r++)
+                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+        }
     }
 }
 
@@ -883,7 +897,7 @@ static void linear_stored_panel_work(const float *x, int64_t ldx, const uint8_t 
 static void linear_stored_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
 #if HAVE_AVX2
-    if (M > 3) {
+    if (M > DOT_MAX || (M > 3 && K % 32)) {
         linear_stored_panel_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
         return;
     }
