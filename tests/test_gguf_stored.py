@@ -174,9 +174,9 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
     gguf_path, hf_dir = write_tiny_gguf(name, str(tmp_path))
     ref = HFReference(hf_dir)
     vocab = SPECS[name][3]["vocab_size"]
-    # 3 rows take the stored kernels' GEMV path, 4 their panel path
-    prompts = [random_prompt(n, vocab, seed=n) for n in (5, 17, 40, 23)]
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # 7 rows take the stored kernels' panel path, then 4 rows (three leave) their dot path
+    prompts = [random_prompt(n, vocab, seed=n) for n in (5, 17, 40, 23, 9, 31, 12)]
+    sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 12, 12, 12, 4, 4, 4)]
     with make_llm(gguf_path, **tiny_llm_kwargs(weights_format="stored", attn=attn)) as llm:
         engine = llm.scheduler.engine
         assert (engine.cpu_step is not None) == (attn == "cpu")
@@ -192,7 +192,8 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
     for suffix in (".lock",):
         if os.path.exists(prepared + suffix):
             os.unlink(prepared + suffix)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out, params in zip(prompts, outs, sp):
+        assert len(out["token_ids"]) == params.max_tokens
         assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"{name} stored")
 
 
