@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-_MAX_PARTS = 3  # LIN_WORDS in cpu_kernels.c: 2 + 5 per part
-_LIN_WORDS = 2 + 5 * _MAX_PARTS
+_MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
 
 
 class Unsupported(Exception):
