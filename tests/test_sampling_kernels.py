@@ -209,6 +209,33 @@ def test_kernel_equals_reference_token_for_token(kind):
     assert got[greedy].tolist() == logits[greedy].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("rounds", [2, 4])
+def test_top_p_rounds_and_their_fallback(rounds, monkeypatch):
+    """Top-p through the rounds (a candidate accepted once the mass above it is below top_p) and through
+    the bisection for rows they leave unresolved: a tiny nucleus of a flat row (top_p 0.01) mostly falls
+    back, a wide one (0.99) resolves at its first candidate.
+    Peaked, flat and tied rows, with and without top-k, against the reference token for token."""
+    ops = _kernels()
+    monkeypatch.setattr(ops.sampling, "_ROUNDS", rounds)
+    s, vocab = 20, 300
+    g = torch.Generator().manual_seed(rounds)
+    scale = torch.tensor([0.2, 1.0, 4.0, 2.0])[torch.arange(s) % 4][:, None]
+    logits = torch.randn(s, vocab, generator=g) * scale
+    logits[3::4] = (logits[3::4] * 2).round() / 2  # ties
+    floats = torch.stack(
+        [
+            torch.full((s,), 0.8),
+            torch.tensor([0.01, 0.3, 0.9, 0.99, 1.0])[torch.arange(s) % 5],
+            torch.zeros(s),
+        ]
+    )
+    top_k = torch.where(torch.arange(s) % 3 == 0, 50, vocab)
+    seeds, counter = torch.arange(s) * 7919, torch.where(torch.arange(s) % 2 == 0, 5, ref.UNSEEDED)
+    rows = rows_of(floats, torch.stack([top_k, seeds, counter]), torch.tensor([11]))
+    got = ops.sample(logits, rows, chunk=128)
+    assert got.tolist() == ref.sample(logits, rows).tolist()
+
+
 def test_kernel_draws_follow_the_filtered_distribution():
     """Draws through the kernel equal the reference's draws (whose frequencies the tests
     above check), and never leave the kept set."""
