@@ -347,11 +347,13 @@ MAX_SEQ = 128
 class PagedSetup:
     """A KV pool with random contents and a page table whose requests own shuffled pages."""
 
-    def __init__(self, page_size: int, num_heads: int, num_kv_heads: int, seq_lens, seed: int = 0) -> None:
+    def __init__(
+        self, page_size: int, num_heads: int, num_kv_heads: int, seq_lens, seed: int = 0, kv_dtype=torch.float32
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
         self.config = AttnConfig(num_heads, num_kv_heads, HEAD_DIM, MAX_SEQ, DEVICE, torch.float32)
-        self.pool = KVPool(1, num_pages, page_size, num_kv_heads, HEAD_DIM, torch.float32, DEVICE)
+        self.pool = KVPool(1, num_pages, page_size, num_kv_heads, HEAD_DIM, kv_dtype, DEVICE)
         self.pool.k_buffer.copy_(torch.randn(self.pool.k_buffer.shape, generator=g))
         self.pool.v_buffer.copy_(torch.randn(self.pool.v_buffer.shape, generator=g))
         rows = len(seq_lens) + 2
@@ -531,6 +533,37 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     out = backend.forward(q, k, v, 0, batch)
     want = naive_over_pool(setup, batch, q)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_fp8_pool_holds_rounded_kv_and_attention_reads_it_upcast(phase):
+    """--kv-cache-dtype fp8_e4m3: the new K/V land in the pool rounded to float8 e4m3 as torch rounds them
+    (on a GPU: the interpreter's emulated conversion rounds values just below a power of two down to the
+    power below), and decode and extend attend over the pool's values upcast: the naive reference over
+    the same pool in float32, and the torch backend."""
+    prefix_lens, extend_lens = ([12, 40, 0], [1, 1, 1]) if phase == Phase.DECODE else ([0, 13], [20, 9])
+    setup = PagedSetup(4, 4, 2, [p + e for p, e in zip(prefix_lens, extend_lens)], kv_dtype=torch.float8_e4m3fn)
+    batch = setup.batch(phase, prefix_lens, extend_lens)
+    T, cfg = batch.num_tokens, setup.config
+    q = _randn(T, cfg.num_heads, HEAD_DIM, seed=1)
+    k, v = _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=2) * 3, _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=3)
+    backend = TritonAttnBackend(cfg, setup.pool, setup.page_table)
+    backend.prepare_metadata(batch)
+    out = backend.forward(q, k, v, 0, batch)
+    loc = batch.out_loc.long()
+    assert setup.pool.k(0).dtype == torch.float8_e4m3fn
+    if DEVICE.type == "cuda":
+        assert torch.equal(setup.pool.k(0)[loc].float(), k.to(torch.float8_e4m3fn).float())
+        assert torch.equal(setup.pool.v(0)[loc].float(), v.to(torch.float8_e4m3fn).float())
+    assert not torch.equal(setup.pool.k(0)[loc].float(), k)  # rounded: 3 mantissa bits
+    pool_k, pool_v = setup.pool.k(0).float(), setup.pool.v(0).float()
+    want = naive_attention(
+        q, pool_k, pool_v, setup.page_table, setup.rows, batch.prefix_lens, batch.extend_lens, HEAD_DIM**-0.5
+    )
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    torch_backend = TorchAttnBackend(cfg, setup.pool, setup.page_table)
+    torch_backend.prepare_metadata(batch)
+    torch.testing.assert_close(out, torch_backend.forward(q, None, None, 0, batch), atol=2e-5, rtol=1e-5)
 
 
 # ---- the whole model -----------------------------------------------------------------------------------

@@ -80,10 +80,23 @@ def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None
     return "torch"
 
 
-def kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype, kv: str = "auto") -> torch.dtype:
     """The KV pool's dtype: the model's, except float32 under the cpu backend, whose C decode kernel reads
-    float32 (half-precision K/V are stored exactly, upcast)."""
+    float32 (half-precision K/V are stored exactly, upcast); `kv` fp8_e4m3 stores K/V as float8 e4m3
+    (rounded to nearest, no scale, as vLLM's fp8 cache without calibrated scales), upcast where read."""
     names = [resolve_attn_name(n.strip(), device, dtype) for n in name.split(",")]
+    if kv not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if KV_CACHE_DTYPES[kv] is not None:
+        if "cpu" in names:
+            raise ValueError(
+                f"--kv-cache-dtype {kv} needs the triton or torch attention backend "
+                "(the cpu backend's C kernel reads float32 K/V): pass --attn triton or --attn torch"
+            )
+        return KV_CACHE_DTYPES[kv]
     return torch.float32 if "cpu" in names else dtype
 
 

@@ -44,6 +44,12 @@ class EngineConfig:
         "auto", help="dummy: random weights with the real shapes", choices=["auto", "safetensors", "dummy"]
     )
     page_size: int = option(1, help="tokens per KV page", min=1)
+    kv_cache_dtype: str = option(
+        "auto",
+        help="auto: K/V stored in the model's dtype (float32 under the cpu attention backend); fp8_e4m3: "
+        "one byte a value (no scale; half of bf16's bytes, approximate), with the triton or torch backend",
+        choices=["auto", "fp8_e4m3"],
+    )
     num_pages: int | None = option(
         None, help="KV pool size in pages (default: from memory)", min=1, aliases=["num_page_override"]
     )
@@ -130,6 +136,10 @@ class EngineConfig:
             check_attn_name(self.attn)
         except ValueError as e:
             raise OptionError("attn", str(e)) from None
+        if self.kv_cache_dtype != "auto" and "cpu" in (n.strip() for n in self.attn.split(",")):
+            raise OptionError(
+                "kv_cache_dtype", f"{self.kv_cache_dtype} needs the triton or torch attention backend"
+            )
 
 
 def check_parallel(c: EngineConfig) -> None:

@@ -118,7 +118,7 @@ class Engine:
             device=self.device,
             dtype=self.dtype,
         )
-        self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype)
+        self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype, config.kv_cache_dtype)
         self.num_pages = self._plan_pages(attn_cfg)
         # one page beyond num_pages: the dummy page that CUDA-graph padding writes
         pages, kv_heads = self.num_pages + 1, attn_cfg.num_kv_heads
