@@ -348,7 +348,13 @@ class PagedSetup:
     """A KV pool with random contents and a page table whose requests own shuffled pages."""
 
     def __init__(
-        self, page_size: int, num_heads: int, num_kv_heads: int, seq_lens, seed: int = 0, kv_dtype=torch.float32
+        self,
+        page_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        seq_lens,
+        seed: int = 0,
+        kv_dtype=torch.float32,
     ) -> None:
         g = torch.Generator().manual_seed(seed)
         num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
@@ -535,35 +541,41 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
-def test_fp8_pool_holds_rounded_kv_and_attention_reads_it_upcast(phase):
+def test_fp8_pool_holds_rounded_kv_and_attention_reads_it_upcast(phase, qdtype):
     """--kv-cache-dtype fp8_e4m3: the new K/V land in the pool rounded to float8 e4m3 as torch rounds them
-    (on a GPU: the interpreter's emulated conversion rounds values just below a power of two down to the
+    (checked on a GPU: the interpreter's emulated cast rounds values just below a power of two down to the
     power below), and decode and extend attend over the pool's values upcast: the naive reference over
-    the same pool in float32, and the torch backend."""
+    the same pool in float32, and the torch backend. bf16 queries attend in fp16 over a float8 pool (its
+    one-instruction conversion): a bf16 tolerance."""
     prefix_lens, extend_lens = ([12, 40, 0], [1, 1, 1]) if phase == Phase.DECODE else ([0, 13], [20, 9])
-    setup = PagedSetup(4, 4, 2, [p + e for p, e in zip(prefix_lens, extend_lens)], kv_dtype=torch.float8_e4m3fn)
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    setup = PagedSetup(4, 4, 2, lens, kv_dtype=torch.float8_e4m3fn)
     batch = setup.batch(phase, prefix_lens, extend_lens)
-    T, cfg = batch.num_tokens, setup.config
-    q = _randn(T, cfg.num_heads, HEAD_DIM, seed=1)
-    k, v = _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=2) * 3, _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=3)
+    T, cfg = batch.num_tokens, dataclasses.replace(setup.config, dtype=qdtype)
+    q = _randn(T, cfg.num_heads, HEAD_DIM, seed=1, dtype=qdtype)
+    k = (_randn(T, cfg.num_kv_heads, HEAD_DIM, seed=2) * 3).to(qdtype)
+    v = _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=3, dtype=qdtype)
     backend = TritonAttnBackend(cfg, setup.pool, setup.page_table)
     backend.prepare_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch)
-    loc = batch.out_loc.long()
-    assert setup.pool.k(0).dtype == torch.float8_e4m3fn
+    out = backend.forward(q, k, v, 0, batch).float()
+    loc, fp8 = batch.out_loc.long(), torch.float8_e4m3fn
+    assert setup.pool.k(0).dtype == fp8
     if DEVICE.type == "cuda":
-        assert torch.equal(setup.pool.k(0)[loc].float(), k.to(torch.float8_e4m3fn).float())
-        assert torch.equal(setup.pool.v(0)[loc].float(), v.to(torch.float8_e4m3fn).float())
-    assert not torch.equal(setup.pool.k(0)[loc].float(), k)  # rounded: 3 mantissa bits
+        assert torch.equal(setup.pool.k(0)[loc].float(), k.to(fp8).float())
+        assert torch.equal(setup.pool.v(0)[loc].float(), v.to(fp8).float())
+    assert not torch.equal(setup.pool.k(0)[loc].float(), k.float())  # rounded: 3 mantissa bits
     pool_k, pool_v = setup.pool.k(0).float(), setup.pool.v(0).float()
+    scale = HEAD_DIM**-0.5
     want = naive_attention(
-        q, pool_k, pool_v, setup.page_table, setup.rows, batch.prefix_lens, batch.extend_lens, HEAD_DIM**-0.5
+        q.float(), pool_k, pool_v, setup.page_table, setup.rows, prefix_lens, extend_lens, scale
     )
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    tol = {"atol": 2e-5, "rtol": 1e-5} if qdtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(out, want, **tol)
     torch_backend = TorchAttnBackend(cfg, setup.pool, setup.page_table)
     torch_backend.prepare_metadata(batch)
-    torch.testing.assert_close(out, torch_backend.forward(q, None, None, 0, batch), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out, torch_backend.forward(q, None, None, 0, batch).float(), **tol)
 
 
 # ---- the whole model -----------------------------------------------------------------------------------

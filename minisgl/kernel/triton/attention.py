@@ -54,7 +54,8 @@ def _attend_split(q, k_cache_ptr, v_cache_ptr, pt_row_ptr, start, end, kv_head, 
                   stride_vh, scale_log2, dims, dim_mask, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query heads q [BLOCK_H, BLOCK_D] over keys start..end of one request:
-    (running max, running sum, unnormalised output), in float32."""
+    (running max, running sum, unnormalised output), in float32. The dots take q's dtype (the caller
+    casts q: fp16 over a float8 pool, whose values convert to fp16 in one instruction)."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -85,7 +86,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
                          scale_log2, GROUP, D, NUM_SPLITS, k_ptr, v_ptr, stride_kb, stride_knh, stride_vb,
                          stride_vnh, loc_ptr, pos_ptr, cache_ptr, stride_cache, qw_ptr, kw_ptr, eps, HALF,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     """Program (KV head x split, request b): attend the GROUP query heads of this KV head over the split's
     keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
     nothing (the merge reads only the splits that hold keys). Without mid_lse_ptr (one split) the output
@@ -129,6 +130,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
+    if DOT is not None:
+        q = q.to(DOT)
     m_i, l_i, acc = _attend_split(q, k_cache_ptr, v_cache_ptr, page_table_ptr + row * stride_pt, start, end,
                                   kv_head, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims, dim_mask,
                                   BLOCK_H, BLOCK_N, BLOCK_D, PRECISION)
@@ -174,7 +177,8 @@ def _attend_block(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, pt_row_ptr, n0, kv
                   stride_vt, stride_vh, scale_log2, dims, dim_mask, q_pos, kv_end, CAUSAL: tl.constexpr,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One key block of the online softmax. CAUSAL: the block crosses the diagonal or the sequence end,
-    so keys past a query's position (or past kv_end) are masked; otherwise every key is visible."""
+    so keys past a query's position (or past kv_end) are masked; otherwise every key is visible. The dots
+    take q's dtype, as in _attend_split."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if CAUSAL:
         key_mask = offs_n < kv_end
@@ -205,7 +209,7 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, tab
                    prefix_ptr, extend_ptr, tile_req_ptr, tile_m_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_vt, stride_vh, stride_ot, stride_oh, stride_pt, scale_log2, GROUP, D,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr):
+                   DOT: tl.constexpr, PDL: tl.constexpr):
     """Program (work tile, query head): the tile is query tile tile_m of request b = tile_req (b < 0: a
     padding tile of a CUDA graph, nothing to do). New query i of b sits at position prefix + i and sees
     keys 0..prefix + i, all read from the pool (the new ones are stored already)."""
@@ -229,6 +233,8 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, tab
     q_rows = q_start + offs_m
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if DOT is not None:
+        q = q.to(DOT)
     q_pos = prefix + offs_m
     pt_row_ptr = page_table_ptr + row * stride_pt
 
@@ -253,6 +259,13 @@ def _extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, tab
 
 
 # ---- launches ----------------------------------------------------------------------------------------------
+def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor):
+    """The attention dots' dtype where it is not q's: fp16 for bf16 queries over a float8 pool (float8 e4m3
+    converts to fp16 in one instruction, to bf16 through float32; q, the probabilities and the pool's
+    values all fit fp16, with more mantissa than bf16's)."""
+    return tl.float16 if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 else None
+
+
 def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                  table_idx: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                  num_splits: int, scale: float, *, block_n: int, precision: str, num_warps: int, num_stages: int,
@@ -280,8 +293,8 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
         out.stride(2), *lse_strides, scale * _LOG2E, group, head_dim, num_splits, *rope_args,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows on a GPU
-        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=precision, PDL=pdl(q),
-        num_warps=num_warps, num_stages=num_stages, **launch_opts(q))
+        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=precision, DOT=_dot_dtype(q, k_cache),
+        PDL=pdl(q), num_warps=num_warps, num_stages=num_stages, **launch_opts(q))
 
 
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
@@ -313,5 +326,5 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale * _LOG2E, q.shape[1] // k_cache.shape[1], head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=precision,
-        PDL=pdl(q), num_warps=num_warps, num_stages=num_stages, **launch_opts(q))
+        DOT=_dot_dtype(q, k_cache), PDL=pdl(q), num_warps=num_warps, num_stages=num_stages, **launch_opts(q))
     return out
