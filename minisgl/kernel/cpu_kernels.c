@@ -916,6 +916,202 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
     linear_stored_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
+/* ---- the int8-activation dot (opt-in: --stored-dot int8) ------------------------------------------------
+ * llama.cpp's arithmetic for Q4_0 / Q4_1 / Q8_0 weights: each block of 32 activations is quantized to int8
+ * with one float32 scale d = max|x| / 127 (q = round(x / d), half away from zero) and s = d * sum(q); a
+ * block's dot with a weight block is then an exact integer sum times d_w d_x (plus m_w s_x for Q4_1's
+ * minimum), the terms summed in float32. Approximate (the activations lose bits), about half the
+ * instructions of dequantizing each block to float32. */
+typedef struct {
+    float d, s;
+    int8_t qs[32];
+} xblock;
+
+/* One block of 32 activations quantized (the scalar and AVX2 versions give the same bytes and scales). */
+static inline void quant_block(const float *x, xblock *b) {
+#if HAVE_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        // roundf: truncate, then step away from zero where the (exact) remainder is at least one half
+        __m256 t = _mm256_mul_ps(v[i], idv), r = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(t, r)), half, _CMP_GE_OQ);
+        r = _mm256_add_ps(r, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(t, sign), one)));
+        q[i] = _mm256_cvtps_epi32(r);
+        sum = _mm256_add_epi32(sum, q[i]);
+    }
+    // int32 -> int8 in element order (the packs interleave the 128-bit lanes; the permute undoes it)
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)b->qs, p);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    b->d = d;
+    b->s = d * (float)_mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        int q = (int)roundf(x[j] * id);
+        b->qs[j] = (int8_t)q;
+        sum += q;
+    }
+    b->d = d;
+    b->s = d * (float)sum;
+#endif
+}
+
+/* qx [M][K/32] = the rows of x quantized, shared by the threads of an enclosing region (the loop's end is
+ * their barrier). */
+static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, xblock *qx) {
+    const int64_t nb = K / 32;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * nb; i++) quant_block(x + i / nb * ldx + i % nb * 32, qx + i);
+}
+
+static inline int q8_type(int type) { return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0; }
+
+#if HAVE_AVX2
+/* A weight block's 32 quants as bytes in element order (Q4: 0..15 unsigned, Q8_0 signed). */
+static inline __attribute__((always_inline)) __m256i wbytes(const int type, const uint8_t *src) {
+    if (type == GT_Q8_0) return _mm256_loadu_si256((const __m256i *)(src + 2));
+    __m128i t = _mm_loadu_si128((const __m128i *)(src + (type == GT_Q4_1 ? 4 : 2)));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+}
+
+/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..3 rows, ldq blocks apart):
+ * the integer block sums by maddubs (unsigned x signed; signed weights through the sign trick) and madd,
+ * each times its block's d_w d_x into a float accumulator. pf: as in dot_group. */
+static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xblock *qx,
+                                                           int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                                                           const uint8_t *pf, int64_t pf_len,
+                                                           float out[GR][3]) {
+    __m256 acc[GR][3];
+    float mins[GR][3];  // Q4_1: the sum of m_w s_x
+    const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.0f;
+    const int64_t bb = block_bytes(type), nb = K / 32, chunks = (nb + 7) / 8;
+    const int64_t pf_step = (pf_len + chunks - 1) / chunks;
+    for (int64_t b0 = 0, c = 0; b0 < nb; b0 += 8, c++) {
+        for (int64_t line = c * pf_step; line < (c + 1) * pf_step && line < pf_len; line += 64)
+            _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+        const int64_t bend = b0 + 8 < nb ? b0 + 8 : nb;
+        for (int64_t b = b0; b < bend; b++) {
+            for (int r = 0; r < GR; r++) {
+                const uint8_t *src = p[r] + b * bb;
+                __m256i w = wbytes(type, src), aw = w;
+                if (type == GT_Q4_0) w = _mm256_sub_epi8(w, eight);
+                if (type != GT_Q4_1) aw = _mm256_sign_epi8(w, w);
+                const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
+                for (int m = 0; m < M; m++) {
+                    const xblock *xb = qx + m * ldq + b;
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)xb->qs);
+                    if (type != GT_Q4_1) xq = _mm256_sign_epi8(xq, w);
+                    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
+                    __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
+                    acc[r][m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
+                    if (type == GT_Q4_1) mins[r][m] += fp16_to_f32(rd16(src + 2)) * xb->s;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]) + mins[r][m];
+}
+
+#define Q8_CASE(T, MM) q8_group(T, MM, qx, ldq, p, K, pf, pf_len, out)
+static void q8_group_any(int type, int M, const xblock *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 4 + M) {
+    case 1: Q8_CASE(GT_Q4_0, 1); break;
+    case 2: Q8_CASE(GT_Q4_0, 2); break;
+    case 3: Q8_CASE(GT_Q4_0, 3); break;
+    case 5: Q8_CASE(GT_Q4_1, 1); break;
+    case 6: Q8_CASE(GT_Q4_1, 2); break;
+    case 7: Q8_CASE(GT_Q4_1, 3); break;
+    case 9: Q8_CASE(GT_Q8_0, 1); break;
+    case 10: Q8_CASE(GT_Q8_0, 2); break;
+    default: Q8_CASE(GT_Q8_0, 3); break;
+    }
+}
+#else
+/* The scalar q8_group: the same integer sums and float terms, summed in block order. */
+static void q8_group_any(int type, int M, const xblock *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    (void)pf, (void)pf_len;
+    const int64_t bb = block_bytes(type);
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < K / 32; b++) {
+                const uint8_t *src = p[r] + b * bb;
+                const xblock *xb = qx + m * ldq + b;
+                int s = 0;
+                for (int j = 0; j < 32; j++) {
+                    int w = type == GT_Q8_0 ? ((const int8_t *)src)[2 + j]
+                            : (src[(type == GT_Q4_1 ? 4 : 2) + j % 16] >> (j / 16 * 4)) & 0xf;
+                    s += (type == GT_Q4_0 ? w - 8 : w) * xb->qs[j];
+                }
+                acc += fp16_to_f32(rd16(src)) * xb->d * (float)s;
+                if (type == GT_Q4_1) acc += fp16_to_f32(rd16(src + 2)) * xb->s;
+            }
+            out[r][m] = acc;
+        }
+}
+#endif
+
+/* y [M, N] = the quantized x [M][K/32] times the stored W [N, K] (Q4_0/Q4_1/Q8_0), transposed (+ bias):
+ * GR weight rows per task, three rows of x a pass; for the threads of an enclosing parallel region. */
+static void linear_q8_work(const xblock *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
+                           float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int64_t groups = (N + GR - 1) / GR, ldq = K / 32;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p[GR];
+        float out[GR][3];
+        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
+            q8_group_any(type, mr, qx + m0 * ldq, ldq, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
+                         m0 ? 0 : GR * row_bytes, out);
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr; r++)
+                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+        }
+    }
+}
+
+/* linear_stored with x quantized to int8 blocks first (llama.cpp's arithmetic, approximate): for Q4_0, Q4_1
+ * and Q8_0 weights and K a multiple of 32 (returns -1 otherwise, computing nothing). */
+int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                     const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (!q8_type(type) || K % 32) return -1;
+    xblock *qx = malloc((size_t)(M * (K / 32) + 1) * sizeof(xblock));
+    if (!qx) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        quant_rows_work(x, ldx, M, K, qx);
+        linear_q8_work(qx, w, type, row_bytes, bias, y, ldy, M, N, K);
+    }
+    free(qx);
+    return 0;
+}
+
 #if HAVE_AVX2
 /* ---- the decode step: every layer of a dense Llama-family model in one call ------------------------------
  * One parallel region for the whole step instead of a dozen Python-dispatched calls per layer (their
@@ -928,15 +1124,24 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
 #define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
 #define MODEL_WORDS 16
 
+/* qx (not NULL: int8 mode, room for DOT_MAX rows of K / 32 blocks): with at most DOT_MAX rows and K a
+ * multiple of 32, x is quantized once and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every
+ * part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
-                    int64_t K) {
+                    int64_t K, xblock *qx) {
     const float *bias = (const float *)d[1];
+    int q8 = 0;
+    for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_type((int)d[3 + 5 * i]);
+    q8 = q8 && qx && M <= DOT_MAX && K % 32 == 0;
+    if (q8) quant_rows_work(x, ldx, M, K, qx);
     int64_t off = 0;
     for (int i = 0; i < d[0]; i++) {
         const int64_t *p = d + 2 + 5 * i;
         const float *b = bias ? bias + off : 0;
         if (p[0] == 0)
             linear_packed_work(x, ldx, (const float *)p[2], b, y + off, ldy, M, p[4], K);
+        else if (q8 && q8_type((int)p[1]))
+            linear_q8_work(qx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);
         else
             linear_stored_work(x, ldx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);
         off += p[4];
@@ -956,8 +1161,10 @@ static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *q
 
 /* The model (MODEL_WORDS int64): layers, hidden, q heads, kv heads, head dim, intermediate, rotary dims,
  * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
- * data, row bytes. For B decode tokens: ids, positions, KV slots, page-table rows and key counts (int64);
- * scratch holds B x (3 H + qkv + Hq D + 3 I) floats; out [B, H] gets the final norm's output. */
+ * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run). For B
+ * decode tokens: ids, positions, KV slots, page-table rows and key counts (int64); scratch holds
+ * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode min(B, DOT_MAX) x max(H, Hq D, I) / 32 xblocks (10
+ * floats each); out [B, H] gets the final norm's output. */
 void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids, const int64_t *pos,
                      const int64_t *loc, const int64_t *rows, const int64_t *lens, int64_t B, float *scratch,
                      float *out, float eps, float scale, int num_threads) {
@@ -967,6 +1174,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
     const int64_t QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     float *x = scratch, *res = x + B * H, *nrm = res + B * H, *qkv = nrm + B * H, *att = qkv + B * QKV;
     float *gu = att + B * Hq * D, *act = gu + B * 2 * I;
+    xblock *qx = m[15] ? (xblock *)(act + B * I) : 0;  // int8 mode: the quantized rows after act
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -986,7 +1194,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
                 if (l == 0) memcpy(res + b * H, x + b * H, H * sizeof(float));
                 rms_row(x + b * H, l ? res + b * H : 0, res + b * H, (const float *)ly[0], nrm + b * H, H, eps);
             }
-            lin_run(ly + 6, nrm, H, qkv, QKV, B, H);
+            lin_run(ly + 6, nrm, H, qkv, QKV, B, H, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) {
                 float *q = qkv + b * QKV, *k = q + Hq * D, *v = k + kv_row;
@@ -996,14 +1204,14 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
             }
             decode_attention_work(qkv, QKV, kc, vc, pt, m[10], rows, lens, att, (int)B, (int)Hq, (int)Hkv, (int)D,
                                   scale);
-            lin_run(ly + 6 + LIN_WORDS, att, Hq * D, x, H, B, Hq * D);
+            lin_run(ly + 6 + LIN_WORDS, att, Hq * D, x, H, B, Hq * D, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++)
                 rms_row(x + b * H, res + b * H, res + b * H, (const float *)ly[1], nrm + b * H, H, eps);
-            lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H);
+            lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) silu_row(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
-            lin_run(ly + 6 + 3 * LIN_WORDS, act, I, x, H, B, I);
+            lin_run(ly + 6 + 3 * LIN_WORDS, act, I, x, H, B, I, qx);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rms_row(x + b * H, res + b * H, res + b * H, final_norm, out + b * H, H, eps);
