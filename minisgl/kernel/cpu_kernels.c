@@ -1000,37 +1000,48 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
                                                            const uint8_t *pf, int64_t pf_len,
                                                            float out[GR][3]) {
     __m256 acc[GR][3];
-    float mins[GR][3];  // Q4_1: the sum of m_w s_x
     const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.0f;
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
     const int64_t bb = block_bytes(type), nb = K / 32, chunks = (nb + 7) / 8;
     const int64_t pf_step = (pf_len + chunks - 1) / chunks;
-    for (int64_t b0 = 0, c = 0; b0 < nb; b0 += 8, c++) {
-        for (int64_t line = c * pf_step; line < (c + 1) * pf_step && line < pf_len; line += 64)
-            _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
-        const int64_t bend = b0 + 8 < nb ? b0 + 8 : nb;
-        for (int64_t b = b0; b < bend; b++) {
+    for (int64_t b = 0; b < nb; b++) {
+        if (b % 8 == 0)  // a slice of the prefetch every 8 blocks (dot_group's chunk of 256)
+            for (int64_t line = b / 8 * pf_step; line < (b / 8 + 1) * pf_step && line < pf_len; line += 64)
+                _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+        {
+#pragma GCC unroll 4
             for (int r = 0; r < GR; r++) {
                 const uint8_t *src = p[r] + b * bb;
                 __m256i w = wbytes(type, src), aw = w;
                 if (type == GT_Q4_0) w = _mm256_sub_epi8(w, eight);
                 if (type != GT_Q4_1) aw = _mm256_sign_epi8(w, w);
-                const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
+                __m256 dw, mw = _mm256_setzero_ps();
+                if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m / 8 (exact: a power of two)
+                    __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(*(const int32_t *)src));
+                    dw = _mm256_moveldup_ps(dm);
+                    mw = _mm256_mul_ps(_mm256_movehdup_ps(dm), _mm256_set1_ps(0.125f));
+                } else {
+                    dw = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
+                }
+#pragma GCC unroll 3
                 for (int m = 0; m < M; m++) {
                     const xblock *xb = qx + m * ldq + b;
                     __m256i xq = _mm256_loadu_si256((const __m256i *)xb->qs);
                     if (type != GT_Q4_1) xq = _mm256_sign_epi8(xq, w);
                     __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
                     __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
-                    acc[r][m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
-                    if (type == GT_Q4_1) mins[r][m] += fp16_to_f32(rd16(src + 2)) * xb->s;
+                    __m256 a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
+                    // Q4_1's m_w s_x, an eighth in each lane: the lanes' sum adds it once, no scalar
+                    // accumulators (with 3 rows of x they would not fit the registers)
+                    if (type == GT_Q4_1) a = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&xb->s), a);
+                    acc[r][m] = a;
                 }
             }
         }
     }
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]) + mins[r][m];
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]);
 }
 
 #define Q8_CASE(T, MM) q8_group(T, MM, qx, ldq, p, K, pf, pf_len, out)
