@@ -920,15 +920,23 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
  * llama.cpp's arithmetic for Q4_0 / Q4_1 / Q8_0 weights: each block of 32 activations is quantized to int8
  * with one float32 scale d = max|x| / 127 (q = round(x / d), half away from zero) and s = d * sum(q); a
  * block's dot with a weight block is then an exact integer sum times d_w d_x (plus m_w s_x for Q4_1's
- * minimum), the terms summed in float32. Approximate (the activations lose bits), about half the
+ * minimum), the terms summed in float32. Approximate (the activations lose bits), less than half the
  * instructions of dequantizing each block to float32. */
-typedef struct {
-    float d, s;
-    int8_t qs[32];
-} xblock;
 
-/* One block of 32 activations quantized (the scalar and AVX2 versions give the same bytes and scales). */
-static inline void quant_block(const float *x, xblock *b) {
+/* Two consecutive blocks of 32 quantized activations, laid out for the AVX2 dot: lo holds elements 0..15
+ * of the first block then of the second, hi their elements 16..31 (the low and high nibbles of a Q4
+ * block, so two weight blocks' nibbles load as one 256-bit pair); d and s4 hold each block's d and s / 4
+ * (exact: a power of two) four times each. A row of K has (K / 32 + 1) / 2 pairs; an odd last block
+ * leaves the second half zero. */
+typedef struct {
+    float d[8], s4[8];
+    int8_t lo[32], hi[32];
+} xpair;
+
+/* Block x [32] quantized into half h of pair p (the scalar and AVX2 versions give the same bytes). */
+static inline void quant_block(const float *x, xpair *p, int h) {
+    float d;
+    int sum;
 #if HAVE_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     __m256 v[4], amax = _mm256_setzero_ps();
@@ -939,104 +947,133 @@ static inline void quant_block(const float *x, xblock *b) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m256 idv = _mm256_set1_ps(id);
-    __m256i q[4], sum = _mm256_setzero_si256();
+    d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 idv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4], qsum = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
         // roundf: truncate, then step away from zero where the (exact) remainder is at least one half
         __m256 t = _mm256_mul_ps(v[i], idv), r = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(t, r)), half, _CMP_GE_OQ);
         r = _mm256_add_ps(r, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(t, sign), one)));
         q[i] = _mm256_cvtps_epi32(r);
-        sum = _mm256_add_epi32(sum, q[i]);
+        qsum = _mm256_add_epi32(qsum, q[i]);
     }
     // int32 -> int8 in element order (the packs interleave the 128-bit lanes; the permute undoes it)
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)b->qs, p);
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    b->d = d;
-    b->s = d * (float)_mm_cvtsi128_si32(s4);
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)(p->lo + 16 * h), _mm256_castsi256_si128(b));
+    _mm_storeu_si128((__m128i *)(p->hi + 16 * h), _mm256_extracti128_si256(b, 1));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    sum = _mm_cvtsi128_si32(t4);
 #else
     float amax = 0.0f;
     for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    sum = 0;
     for (int j = 0; j < 32; j++) {
         int q = (int)roundf(x[j] * id);
-        b->qs[j] = (int8_t)q;
+        (j < 16 ? p->lo : p->hi)[16 * h + j % 16] = (int8_t)q;
         sum += q;
     }
-    b->d = d;
-    b->s = d * (float)sum;
 #endif
+    const float s4 = d * (float)sum * 0.25f;
+    for (int i = 0; i < 4; i++) p->d[4 * h + i] = d, p->s4[4 * h + i] = s4;
 }
 
-/* qx [M][K/32] = the rows of x quantized, shared by the threads of an enclosing region (the loop's end is
- * their barrier). */
-static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, xblock *qx) {
-    const int64_t nb = K / 32;
+/* qx [M][(K / 32 + 1) / 2] = the rows of x quantized, shared by the threads of an enclosing region (the
+ * loop's end is their barrier). */
+static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, xpair *qx) {
+    const int64_t nb = K / 32, np = (nb + 1) / 2;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * nb; i++) quant_block(x + i / nb * ldx + i % nb * 32, qx + i);
+    for (int64_t i = 0; i < M * np; i++) {
+        const float *xr = x + i / np * ldx + i % np * 64;
+        quant_block(xr, qx + i, 0);
+        if (i % np * 2 + 1 < nb) {
+            quant_block(xr + 32, qx + i, 1);
+        } else {  // the odd last block: a zero half (d = 0) that adds nothing
+            memset(qx[i].lo + 16, 0, 16), memset(qx[i].hi + 16, 0, 16);
+            for (int j = 4; j < 8; j++) qx[i].d[j] = qx[i].s4[j] = 0.0f;
+        }
+    }
 }
 
 static inline int q8_type(int type) { return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0; }
 
 #if HAVE_AVX2
-/* A weight block's 32 quants as bytes in element order (Q4: 0..15 unsigned, Q8_0 signed). */
-static inline __attribute__((always_inline)) __m256i wbytes(const int type, const uint8_t *src) {
-    if (type == GT_Q8_0) return _mm256_loadu_si256((const __m256i *)(src + 2));
-    __m128i t = _mm_loadu_si128((const __m128i *)(src + (type == GT_Q4_1 ? 4 : 2)));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0f));
+static inline __m256i load2x128(const uint8_t *lo, const uint8_t *hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+                                   _mm_loadu_si128((const __m128i *)hi), 1);
 }
 
-/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..3 rows, ldq blocks apart):
- * the integer block sums by maddubs (unsigned x signed; signed weights through the sign trick) and madd,
- * each times its block's d_w d_x into a float accumulator. pf: as in dot_group. */
-static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xblock *qx,
+/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..3 rows, ldq pairs apart),
+ * two blocks at a time: their quants as [elements 0..15 of both | 16..31 of both] (one load for two Q4
+ * blocks' nibbles), integer sums by maddubs (unsigned x signed; signed weights through the sign trick) and
+ * madd, lanes 0-3 the first block's and 4-7 the second's, times [d_w d_x of each, four times] into a float
+ * accumulator. pf: as in dot_group. */
+static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xpair *qx,
                                                            int64_t ldq, const uint8_t *const p[GR], int64_t K,
                                                            const uint8_t *pf, int64_t pf_len,
                                                            float out[GR][3]) {
     __m256 acc[GR][3];
-    const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+    // the fp16 scales [d0 m0 d1 m1] (Q4_1) or [d0 d1] as floats -> each block's, four lanes each
+    const __m256i pick_d = type == GT_Q4_1 ? _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)
+                                           : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i pick_m = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
     for (int r = 0; r < GR; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-    const int64_t bb = block_bytes(type), nb = K / 32, chunks = (nb + 7) / 8;
+    const int64_t bb = block_bytes(type), nb = K / 32, np = (nb + 1) / 2, chunks = (np + 3) / 4;
     const int64_t pf_step = (pf_len + chunks - 1) / chunks;
-    for (int64_t b = 0; b < nb; b++) {
-        if (b % 8 == 0)  // a slice of the prefetch every 8 blocks (dot_group's chunk of 256)
-            for (int64_t line = b / 8 * pf_step; line < (b / 8 + 1) * pf_step && line < pf_len; line += 64)
+    for (int64_t j = 0; j < np; j++) {
+        if (j % 4 == 0)  // a slice of the prefetch every 4 pairs (dot_group's chunk of 256)
+            for (int64_t line = j / 4 * pf_step; line < (j / 4 + 1) * pf_step && line < pf_len; line += 64)
                 _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
-        {
+        const int64_t o0 = 2 * j * bb, o1 = (2 * j + 1 < nb ? 2 * j + 1 : 2 * j) * bb;  // odd tail: again
 #pragma GCC unroll 4
-            for (int r = 0; r < GR; r++) {
-                const uint8_t *src = p[r] + b * bb;
-                __m256i w = wbytes(type, src), aw = w;
-                if (type == GT_Q4_0) w = _mm256_sub_epi8(w, eight);
-                if (type != GT_Q4_1) aw = _mm256_sign_epi8(w, w);
-                __m256 dw, mw = _mm256_setzero_ps();
-                if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m / 8 (exact: a power of two)
-                    __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(*(const int32_t *)src));
-                    dw = _mm256_moveldup_ps(dm);
-                    mw = _mm256_mul_ps(_mm256_movehdup_ps(dm), _mm256_set1_ps(0.125f));
-                } else {
-                    dw = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
-                }
+        for (int r = 0; r < GR; r++) {
+            const uint8_t *s0 = p[r] + o0, *s1 = p[r] + o1;
+            __m256i wl, wh;
+            __m256 dw, mw = _mm256_setzero_ps();
+            if (type == GT_Q8_0) {
+                wl = load2x128(s0 + 2, s1 + 2);
+                wh = load2x128(s0 + 18, s1 + 18);
+            } else {
+                const int q = type == GT_Q4_1 ? 4 : 2;
+                __m256i v = load2x128(s0 + q, s1 + q);
+                wl = _mm256_and_si256(v, m4);
+                wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (type == GT_Q4_0) wl = _mm256_sub_epi8(wl, eight), wh = _mm256_sub_epi8(wh, eight);
+            }
+            if (type == GT_Q4_1) {
+                __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128(*(const int32_t *)s0), *(const int32_t *)s1, 1);
+                __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+                dw = _mm256_permutevar8x32_ps(f, pick_d);
+                mw = _mm256_permutevar8x32_ps(f, pick_m);
+            } else {
+                __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(rd16(s0)), rd16(s1), 1);
+                dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(h)), pick_d);
+            }
+            __m256i al = wl, ah = wh;
+            if (type != GT_Q4_1) al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
 #pragma GCC unroll 3
-                for (int m = 0; m < M; m++) {
-                    const xblock *xb = qx + m * ldq + b;
-                    __m256i xq = _mm256_loadu_si256((const __m256i *)xb->qs);
-                    if (type != GT_Q4_1) xq = _mm256_sign_epi8(xq, w);
-                    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
-                    __m256 dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
-                    __m256 a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
-                    // Q4_1's m_w s_x, an eighth in each lane: the lanes' sum adds it once, no scalar
-                    // accumulators (with 3 rows of x they would not fit the registers)
-                    if (type == GT_Q4_1) a = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&xb->s), a);
-                    acc[r][m] = a;
-                }
+            for (int m = 0; m < M; m++) {
+                const xpair *xp = qx + m * ldq + j;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)xp->lo);
+                __m256i xh = _mm256_loadu_si256((const __m256i *)xp->hi);
+                if (type != GT_Q4_1) xl = _mm256_sign_epi8(xl, wl), xh = _mm256_sign_epi8(xh, wh);
+                __m256i s;
+                if (type == GT_Q8_0)  // pairs of 128 x 127: no room to add two in 16 bits
+                    s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, xl), ones),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(ah, xh), ones));
+                else
+                    s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(al, xl), _mm256_maddubs_epi16(ah, xh)), ones);
+                __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(xp->d)), _mm256_cvtepi32_ps(s), acc[r][m]);
+                // Q4_1's m_w s_x, a quarter in each of its block's four lanes: the lanes' sum adds it once
+                if (type == GT_Q4_1) a = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xp->s4), a);
+                acc[r][m] = a;
             }
         }
     }
@@ -1045,7 +1082,7 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
 }
 
 #define Q8_CASE(T, MM) q8_group(T, MM, qx, ldq, p, K, pf, pf_len, out)
-static void q8_group_any(int type, int M, const xblock *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
                          const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
     switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 4 + M) {
     case 1: Q8_CASE(GT_Q4_0, 1); break;
@@ -1061,7 +1098,7 @@ static void q8_group_any(int type, int M, const xblock *qx, int64_t ldq, const u
 }
 #else
 /* The scalar q8_group: the same integer sums and float terms, summed in block order. */
-static void q8_group_any(int type, int M, const xblock *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
                          const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
     (void)pf, (void)pf_len;
     const int64_t bb = block_bytes(type);
@@ -1070,26 +1107,27 @@ static void q8_group_any(int type, int M, const xblock *qx, int64_t ldq, const u
             float acc = 0.0f;
             for (int64_t b = 0; b < K / 32; b++) {
                 const uint8_t *src = p[r] + b * bb;
-                const xblock *xb = qx + m * ldq + b;
+                const xpair *xp = qx + m * ldq + b / 2;
+                const int h = (int)(b % 2);
                 int s = 0;
                 for (int j = 0; j < 32; j++) {
                     int w = type == GT_Q8_0 ? ((const int8_t *)src)[2 + j]
                             : (src[(type == GT_Q4_1 ? 4 : 2) + j % 16] >> (j / 16 * 4)) & 0xf;
-                    s += (type == GT_Q4_0 ? w - 8 : w) * xb->qs[j];
+                    s += (type == GT_Q4_0 ? w - 8 : w) * (j < 16 ? xp->lo : xp->hi)[16 * h + j % 16];
                 }
-                acc += fp16_to_f32(rd16(src)) * xb->d * (float)s;
-                if (type == GT_Q4_1) acc += fp16_to_f32(rd16(src + 2)) * xb->s;
+                acc += fp16_to_f32(rd16(src)) * xp->d[4 * h] * (float)s;
+                if (type == GT_Q4_1) acc += fp16_to_f32(rd16(src + 2)) * (xp->s4[4 * h] * 4.0f);
             }
             out[r][m] = acc;
         }
 }
 #endif
 
-/* y [M, N] = the quantized x [M][K/32] times the stored W [N, K] (Q4_0/Q4_1/Q8_0), transposed (+ bias):
- * GR weight rows per task, three rows of x a pass; for the threads of an enclosing parallel region. */
-static void linear_q8_work(const xblock *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
+/* y [M, N] = the quantized x (quant_rows_work) times the stored W [N, K] (Q4_0/Q4_1/Q8_0), transposed
+ * (+ bias): GR weight rows per task, three rows of x a pass; for the threads of an enclosing region. */
+static void linear_q8_work(const xpair *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int64_t groups = (N + GR - 1) / GR, ldq = K / 32;
+    const int64_t groups = (N + GR - 1) / GR, ldq = (K / 32 + 1) / 2;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p[GR];
@@ -1112,7 +1150,7 @@ static void linear_q8_work(const xblock *qx, const uint8_t *w, int type, int64_t
 int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                      const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (!q8_type(type) || K % 32) return -1;
-    xblock *qx = malloc((size_t)(M * (K / 32) + 1) * sizeof(xblock));
+    xpair *qx = malloc((size_t)(M * ((K / 32 + 1) / 2) + 1) * sizeof(xpair));
     if (!qx) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1135,11 +1173,11 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
 #define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
 #define MODEL_WORDS 16
 
-/* qx (not NULL: int8 mode, room for DOT_MAX rows of K / 32 blocks): with at most DOT_MAX rows and K a
+/* qx (not NULL: int8 mode, room for DOT_MAX quantized rows of K): with at most DOT_MAX rows and K a
  * multiple of 32, x is quantized once and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every
  * part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
-                    int64_t K, xblock *qx) {
+                    int64_t K, xpair *qx) {
     const float *bias = (const float *)d[1];
     int q8 = 0;
     for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_type((int)d[3 + 5 * i]);
@@ -1174,7 +1212,7 @@ static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *q
  * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
  * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run). For B
  * decode tokens: ids, positions, KV slots, page-table rows and key counts (int64); scratch holds
- * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode min(B, DOT_MAX) x max(H, Hq D, I) / 32 xblocks (10
+ * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode DOT_MAX x ceil(max(H, Hq D, I) / 64) xpairs (32
  * floats each); out [B, H] gets the final norm's output. */
 void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids, const int64_t *pos,
                      const int64_t *loc, const int64_t *rows, const int64_t *lens, int64_t B, float *scratch,
@@ -1185,7 +1223,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
     const int64_t QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     float *x = scratch, *res = x + B * H, *nrm = res + B * H, *qkv = nrm + B * H, *att = qkv + B * QKV;
     float *gu = att + B * Hq * D, *act = gu + B * 2 * I;
-    xblock *qx = m[15] ? (xblock *)(act + B * I) : 0;  // int8 mode: the quantized rows after act
+    xpair *qx = m[15] ? (xpair *)(act + B * I) : 0;  // int8 mode: the quantized rows after act
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
