@@ -4,7 +4,7 @@ The C kernel equals a numpy reference of llama.cpp's arithmetic (activations qua
 32 with round half away from zero, exact integer block sums, float per-block terms) up to float summation
 order; it stays within a few percent of the float32 matmul on the dequantized weights; and through the
 CPU decode step a tiny GGUF model's logits stay close to the exact path's while differing from them (so
-the switch took effect)."""
+the switch took effect), and equal them bit for bit past DOT_MAX rows (where the exact kernels run)."""
 
 from __future__ import annotations
 
@@ -194,4 +194,7 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
             assert cos.min() > 0.999, (name, B, cos.min())
             assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
+        # past DOT_MAX (6) rows of x the int8 mode keeps the exact kernels: the same logits bit for bit
+        seqs = torch.randint(0, vocab, (7, 3), generator=torch.Generator().manual_seed(7))
+        assert torch.equal(_step_logits(engine, exact, seqs, 0), _step_logits(engine, int8, seqs, 1000))
     shutil.rmtree(prepared, ignore_errors=True)  # the cached config directory of this temporary file
