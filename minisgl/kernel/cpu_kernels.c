@@ -1008,21 +1008,46 @@ static inline __m256i load2x128(const uint8_t *lo, const uint8_t *hi) {
                                    _mm_loadu_si128((const __m128i *)hi), 1);
 }
 
+/* Two weight blocks (s0, s1) as the dot reads them: their quants as [elements 0..15 of both | 16..31 of both]
+ * in wl / wh (one load for two Q4 blocks' nibbles; Q4_0's minus 8), and their fp16 scales d (and Q4_1's
+ * m) as floats, each block's in four lanes. */
+static inline __attribute__((always_inline)) void q8_wpair(const int type, const uint8_t *s0, const uint8_t *s1,
+                                                           __m256i *wl, __m256i *wh, __m256 *dw, __m256 *mw) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (type == GT_Q8_0) {
+        *wl = load2x128(s0 + 2, s1 + 2);
+        *wh = load2x128(s0 + 18, s1 + 18);
+    } else {
+        __m256i v = load2x128(s0 + (type == GT_Q4_1 ? 4 : 2), s1 + (type == GT_Q4_1 ? 4 : 2));
+        *wl = _mm256_and_si256(v, m4);
+        *wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (type == GT_Q4_0) {
+            const __m256i eight = _mm256_set1_epi8(8);
+            *wl = _mm256_sub_epi8(*wl, eight), *wh = _mm256_sub_epi8(*wh, eight);
+        }
+    }
+    if (type == GT_Q4_1) {  // [d0 m0 d1 m1] -> d0 x4 d1 x4, m0 x4 m1 x4
+        __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128(*(const int32_t *)s0), *(const int32_t *)s1, 1);
+        __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+        *dw = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        *mw = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+    } else {  // [d0 d1] -> d0 x4 d1 x4
+        __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(rd16(s0)), rd16(s1), 1);
+        __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+        *dw = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    }
+}
+
 /* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..3 rows, ldq pairs apart),
- * two blocks at a time: their quants as [elements 0..15 of both | 16..31 of both] (one load for two Q4
- * blocks' nibbles), integer sums by maddubs (unsigned x signed; signed weights through the sign trick) and
- * madd, lanes 0-3 the first block's and 4-7 the second's, times [d_w d_x of each, four times] into a float
- * accumulator. pf: as in dot_group. */
+ * two blocks at a time (q8_wpair): integer sums by maddubs (unsigned x signed; signed weights through the
+ * sign trick) and madd, lanes 0-3 the first block's and 4-7 the second's, times [d_w d_x of each] into a
+ * float accumulator. pf: as in dot_group. */
 static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xpair *qx,
                                                            int64_t ldq, const uint8_t *const p[GR], int64_t K,
                                                            const uint8_t *pf, int64_t pf_len,
                                                            float out[GR][3]) {
     __m256 acc[GR][3];
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
-    // the fp16 scales [d0 m0 d1 m1] (Q4_1) or [d0 d1] as floats -> each block's, four lanes each
-    const __m256i pick_d = type == GT_Q4_1 ? _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)
-                                           : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const __m256i pick_m = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < GR; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
     const int64_t bb = block_bytes(type), nb = K / 32, np = (nb + 1) / 2, chunks = (np + 3) / 4;
@@ -1034,28 +1059,9 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
         const int64_t o0 = 2 * j * bb, o1 = (2 * j + 1 < nb ? 2 * j + 1 : 2 * j) * bb;  // odd tail: again
 #pragma GCC unroll 4
         for (int r = 0; r < GR; r++) {
-            const uint8_t *s0 = p[r] + o0, *s1 = p[r] + o1;
             __m256i wl, wh;
             __m256 dw, mw = _mm256_setzero_ps();
-            if (type == GT_Q8_0) {
-                wl = load2x128(s0 + 2, s1 + 2);
-                wh = load2x128(s0 + 18, s1 + 18);
-            } else {
-                const int q = type == GT_Q4_1 ? 4 : 2;
-                __m256i v = load2x128(s0 + q, s1 + q);
-                wl = _mm256_and_si256(v, m4);
-                wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (type == GT_Q4_0) wl = _mm256_sub_epi8(wl, eight), wh = _mm256_sub_epi8(wh, eight);
-            }
-            if (type == GT_Q4_1) {
-                __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128(*(const int32_t *)s0), *(const int32_t *)s1, 1);
-                __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(h));
-                dw = _mm256_permutevar8x32_ps(f, pick_d);
-                mw = _mm256_permutevar8x32_ps(f, pick_m);
-            } else {
-                __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(rd16(s0)), rd16(s1), 1);
-                dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(h)), pick_d);
-            }
+            q8_wpair(type, p[r] + o0, p[r] + o1, &wl, &wh, &dw, &mw);
             __m256i al = wl, ah = wh;
             if (type != GT_Q4_1) al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
 #pragma GCC unroll 3
@@ -1069,8 +1075,10 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
                     s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, xl), ones),
                                          _mm256_madd_epi16(_mm256_maddubs_epi16(ah, xh), ones));
                 else
-                    s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(al, xl), _mm256_maddubs_epi16(ah, xh)), ones);
-                __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(xp->d)), _mm256_cvtepi32_ps(s), acc[r][m]);
+                    s = _mm256_madd_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(al, xl), _mm256_maddubs_epi16(ah, xh)), ones);
+                __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(xp->d));
+                __m256 a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
                 // Q4_1's m_w s_x, a quarter in each of its block's four lanes: the lanes' sum adds it once
                 if (type == GT_Q4_1) a = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xp->s4), a);
                 acc[r][m] = a;
