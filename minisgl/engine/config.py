@@ -114,6 +114,13 @@ class EngineConfig:
         "Llama-family, float32, one rank); off: layer by layer",
         choices=["auto", "off"],
     )
+    stored_dot: str = option(
+        "exact",
+        help="exact: float32 activations times each block dequantized with the reference arithmetic; "
+        "int8: in the CPU decode step, activations quantized to 8-bit blocks of 32 (llama.cpp's "
+        "arithmetic) for Q4_0/Q4_1/Q8_0 weights: faster, approximate",
+        choices=["exact", "int8"],
+    )
     weights_format: str = option(
         "auto",
         help="stored: a .gguf file's blocks (or bf16/fp16 weights) kept as they are on a CPU; float32: "

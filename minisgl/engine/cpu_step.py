@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
+_DOT_MAX = 6  # rows of x up to which cpu_kernels.c's int8 dot runs (DOT_MAX there)
 
 
 class Unsupported(Exception):
@@ -92,7 +93,9 @@ def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, keep: list) -> list[in
 class CpuDecodeStep:
     """Runs a decode batch's layers in one C call; `create` returns None where the model is not covered."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, page_table: torch.Tensor) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_pool: KVPool, page_table: torch.Tensor, int8: bool = False
+    ) -> None:
         cfg, inner = model.config, model.model
         self._keep: list = []  # every tensor whose address the descriptors hold
         layers = [_layer_words(layer, kv_pool, self._keep) for layer in inner.layers]
@@ -121,31 +124,37 @@ class CpuDecodeStep:
         self.inter = inner.layers[0].mlp.down_proj.input_shard
         dims = [len(layers), cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim, self.inter]
         model_words = [*dims, cos_sin.shape[1], cos_sin.data_ptr(), _norm_ptr(inner.norm, self._keep)]
-        model_words += [page_table.data_ptr(), page_table.stride(0), *emb]
+        model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8)]
+        # int8: room for _DOT_MAX rows of the widest linear input quantized (pairs of blocks, 32 floats each)
+        widest = max(self.hidden, self.q, self.inter)
+        self._q8_floats = _DOT_MAX * ((widest + 63) // 64) * 32 if int8 else 0
         self.model_desc = torch.tensor(model_words, dtype=torch.int64)
         self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
         self._scratch = torch.empty(0)
 
     @classmethod
-    def create(cls, model, kv_pool, page_table, attn_backend, dtype: torch.dtype) -> CpuDecodeStep | None:
+    def create(
+        cls, model, kv_pool, page_table, attn_backend, dtype: torch.dtype, stored_dot: str = "exact"
+    ) -> CpuDecodeStep | None:
         """The step for this model, or None (logged) where the layers must run instead."""
         try:
             if dtype != torch.float32 or not isinstance(attn_backend, CpuAttnBackend):
                 raise Unsupported(f"{dtype} with {type(attn_backend).__name__}")
             if not cpu_kernels.decode_step_available():
                 raise Unsupported("a build without AVX2")
-            step = cls(model, kv_pool, page_table)
+            step = cls(model, kv_pool, page_table, int8=stored_dot == "int8")
         except (Unsupported, AttributeError) as e:
             logger.info(f"CPU decode step off ({e or 'not a Llama-family model'}): layer by layer")
             return None
-        logger.info("CPU decode step on: each decode batch's layers in one C call")
+        dot = ", int8 activations for Q4_0/Q4_1/Q8_0 weights" if stored_dot == "int8" else ""
+        logger.info(f"CPU decode step on: each decode batch's layers in one C call{dot}")
         return step
 
     def run(self, batch: Batch) -> torch.Tensor:
         """The final hidden states [B, hidden] of a decode batch whose inputs and metadata are prepared."""
         meta = batch.attn_metadata
         B, H = batch.size, self.hidden
-        need = B * (3 * H + self.qkv + self.q + 3 * self.inter)
+        need = B * (3 * H + self.qkv + self.q + 3 * self.inter) + self._q8_floats
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         i64 = torch.int64

@@ -150,7 +150,12 @@ class Engine:
         self.cpu_step = None
         if self.device.type == "cpu" and config.cpu_decode_step == "auto":
             self.cpu_step = CpuDecodeStep.create(
-                self.model, self.kv_pool, self.page_table, self.attn_backend, self.dtype
+                self.model,
+                self.kv_pool,
+                self.page_table,
+                self.attn_backend,
+                self.dtype,
+                config.stored_dot,
             )
         self.memory = self._report_memory(graphs)
         logger.info(

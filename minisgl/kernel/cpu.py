@@ -94,6 +94,8 @@ def _load() -> ctypes.CDLL | None:
     lib.store_kv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
     lib.dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, ptr, i32]
     lib.linear_stored.argtypes = [ptr, i64, ptr, i32, i64, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.linear_stored_q8.argtypes = [ptr, i64, ptr, i32, i64, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.linear_stored_q8.restype = i32
     lib.stored_type_supported.argtypes = [i32]
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
@@ -301,6 +303,37 @@ def linear_stored(
         K,
         torch.get_num_threads(),
     )
+
+
+def linear_stored_q8(
+    x: torch.Tensor,
+    ggml_type: int,
+    data: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+) -> None:
+    """linear_stored with x quantized to int8 blocks of 32 first (llama.cpp's arithmetic, approximate):
+    Q4_0/Q4_1/Q8_0 weights, k a multiple of 32 (ValueError otherwise). Same layout rules as linear_stored."""
+    M, K = x.shape
+    N = y.shape[1]
+    assert x.stride(1) == 1 and y.stride(1) == 1 and data.stride(1) == 1
+    b = bias.data_ptr() if bias is not None else None
+    rc = _load().linear_stored_q8(
+        x.data_ptr(),
+        x.stride(0),
+        data.data_ptr(),
+        ggml_type,
+        data.stride(0),
+        b,
+        y.data_ptr(),
+        y.stride(0),
+        M,
+        N,
+        K,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"the int8 dot takes Q4_0/Q4_1/Q8_0 with k % 32 == 0, not type {ggml_type}, k {K}")
 
 
 def decode_step_available() -> bool:

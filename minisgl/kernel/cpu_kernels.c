@@ -916,6 +916,259 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
     linear_stored_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
+/* ---- the int8-activation dot (opt-in: --stored-dot int8) ------------------------------------------------
+ * llama.cpp's arithmetic for Q4_0 / Q4_1 / Q8_0 weights: each block of 32 activations is quantized to int8
+ * with one float32 scale d = max|x| / 127 (q = round(x / d), half away from zero) and s = d * sum(q); a
+ * block's dot with a weight block is then an exact integer sum times d_w d_x (plus m_w s_x for Q4_1's
+ * minimum), the terms summed in float32. Approximate (the activations lose bits, ~0.5% relative error a
+ * GEMV on random data), and for Q4_1 about half the time a block of dequantizing it to float32. */
+
+/* Two consecutive blocks of 32 quantized activations, laid out for the AVX2 dot: lo holds elements 0..15
+ * of the first block then of the second, hi their elements 16..31 (the low and high nibbles of a Q4
+ * block, so two weight blocks' nibbles load as one 256-bit pair); d and s4 hold each block's d and s / 4
+ * (exact: a power of two) four times each. A row of K has (K / 32 + 1) / 2 pairs; an odd last block
+ * leaves the second half zero. */
+typedef struct {
+    float d[8], s4[8];
+    int8_t lo[32], hi[32];
+} xpair;
+
+/* Block x [32] quantized into half h of pair p (the scalar and AVX2 versions give the same bytes). */
+static inline void quant_block(const float *x, xpair *p, int h) {
+    float d;
+    int sum;
+#if HAVE_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    d = _mm_cvtss_f32(m4) / 127.0f;
+    const __m256 idv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4], qsum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        // roundf: truncate, then step away from zero where the (exact) remainder is at least one half
+        __m256 t = _mm256_mul_ps(v[i], idv), r = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(t, r)), half, _CMP_GE_OQ);
+        r = _mm256_add_ps(r, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(t, sign), one)));
+        q[i] = _mm256_cvtps_epi32(r);
+        qsum = _mm256_add_epi32(qsum, q[i]);
+    }
+    // int32 -> int8 in element order (the packs interleave the 128-bit lanes; the permute undoes it)
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)(p->lo + 16 * h), _mm256_castsi256_si128(b));
+    _mm_storeu_si128((__m128i *)(p->hi + 16 * h), _mm256_extracti128_si256(b, 1));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    sum = _mm_cvtsi128_si32(t4);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    sum = 0;
+    for (int j = 0; j < 32; j++) {
+        int q = (int)roundf(x[j] * id);
+        (j < 16 ? p->lo : p->hi)[16 * h + j % 16] = (int8_t)q;
+        sum += q;
+    }
+#endif
+    const float s4 = d * (float)sum * 0.25f;
+    for (int i = 0; i < 4; i++) p->d[4 * h + i] = d, p->s4[4 * h + i] = s4;
+}
+
+/* qx [M][(K / 32 + 1) / 2] = the rows of x quantized, shared by the threads of an enclosing region (the
+ * loop's end is their barrier). */
+static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, xpair *qx) {
+    const int64_t nb = K / 32, np = (nb + 1) / 2;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * np; i++) {
+        const float *xr = x + i / np * ldx + i % np * 64;
+        quant_block(xr, qx + i, 0);
+        if (i % np * 2 + 1 < nb) {
+            quant_block(xr + 32, qx + i, 1);
+        } else {  // the odd last block: a zero half (d = 0) that adds nothing
+            memset(qx[i].lo + 16, 0, 16), memset(qx[i].hi + 16, 0, 16);
+            for (int j = 4; j < 8; j++) qx[i].d[j] = qx[i].s4[j] = 0.0f;
+        }
+    }
+}
+
+static inline int q8_type(int type) { return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0; }
+
+#if HAVE_AVX2
+static inline __m256i load2x128(const uint8_t *lo, const uint8_t *hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+                                   _mm_loadu_si128((const __m128i *)hi), 1);
+}
+
+/* Two weight blocks (s0, s1) as the dot reads them: their quants as [elements 0..15 of both | 16..31 of both]
+ * in wl / wh (one load for two Q4 blocks' nibbles; Q4_0's minus 8), and their fp16 scales d (and Q4_1's
+ * m) as floats, each block's in four lanes. */
+static inline __attribute__((always_inline)) void q8_wpair(const int type, const uint8_t *s0, const uint8_t *s1,
+                                                           __m256i *wl, __m256i *wh, __m256 *dw, __m256 *mw) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (type == GT_Q8_0) {
+        *wl = load2x128(s0 + 2, s1 + 2);
+        *wh = load2x128(s0 + 18, s1 + 18);
+    } else {
+        __m256i v = load2x128(s0 + (type == GT_Q4_1 ? 4 : 2), s1 + (type == GT_Q4_1 ? 4 : 2));
+        *wl = _mm256_and_si256(v, m4);
+        *wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (type == GT_Q4_0) {
+            const __m256i eight = _mm256_set1_epi8(8);
+            *wl = _mm256_sub_epi8(*wl, eight), *wh = _mm256_sub_epi8(*wh, eight);
+        }
+    }
+    if (type == GT_Q4_1) {  // [d0 m0 d1 m1] -> d0 x4 d1 x4, m0 x4 m1 x4
+        __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128(*(const int32_t *)s0), *(const int32_t *)s1, 1);
+        __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+        *dw = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+        *mw = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+    } else {  // [d0 d1] -> d0 x4 d1 x4
+        __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(rd16(s0)), rd16(s1), 1);
+        __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+        *dw = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    }
+}
+
+/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..3 rows, ldq pairs apart),
+ * two blocks at a time (q8_wpair): integer sums by maddubs (unsigned x signed; signed weights through the
+ * sign trick) and madd, lanes 0-3 the first block's and 4-7 the second's, times [d_w d_x of each] into a
+ * float accumulator. pf: as in dot_group. */
+static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xpair *qx,
+                                                           int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                                                           const uint8_t *pf, int64_t pf_len,
+                                                           float out[GR][3]) {
+    __m256 acc[GR][3];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
+    const int64_t bb = block_bytes(type), nb = K / 32, np = (nb + 1) / 2, chunks = (np + 3) / 4;
+    const int64_t pf_step = (pf_len + chunks - 1) / chunks;
+    for (int64_t j = 0; j < np; j++) {
+        if (j % 4 == 0)  // a slice of the prefetch every 4 pairs (dot_group's chunk of 256)
+            for (int64_t line = j / 4 * pf_step; line < (j / 4 + 1) * pf_step && line < pf_len; line += 64)
+                _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+        const int64_t o0 = 2 * j * bb, o1 = (2 * j + 1 < nb ? 2 * j + 1 : 2 * j) * bb;  // odd tail: again
+#pragma GCC unroll 4
+        for (int r = 0; r < GR; r++) {
+            __m256i wl, wh;
+            __m256 dw, mw = _mm256_setzero_ps();
+            q8_wpair(type, p[r] + o0, p[r] + o1, &wl, &wh, &dw, &mw);
+            __m256i al = wl, ah = wh;
+            if (type != GT_Q4_1) al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
+#pragma GCC unroll 3
+            for (int m = 0; m < M; m++) {
+                const xpair *xp = qx + m * ldq + j;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)xp->lo);
+                __m256i xh = _mm256_loadu_si256((const __m256i *)xp->hi);
+                if (type != GT_Q4_1) xl = _mm256_sign_epi8(xl, wl), xh = _mm256_sign_epi8(xh, wh);
+                __m256i s;
+                if (type == GT_Q8_0)  // pairs of 128 x 127: no room to add two in 16 bits
+                    s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, xl), ones),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(ah, xh), ones));
+                else
+                    s = _mm256_madd_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(al, xl), _mm256_maddubs_epi16(ah, xh)), ones);
+                __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(xp->d));
+                __m256 a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
+                // Q4_1's m_w s_x, a quarter in each of its block's four lanes: the lanes' sum adds it once
+                if (type == GT_Q4_1) a = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xp->s4), a);
+                acc[r][m] = a;
+            }
+        }
+    }
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]);
+}
+
+#define Q8_CASE(T, MM) q8_group(T, MM, qx, ldq, p, K, pf, pf_len, out)
+static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 4 + M) {
+    case 1: Q8_CASE(GT_Q4_0, 1); break;
+    case 2: Q8_CASE(GT_Q4_0, 2); break;
+    case 3: Q8_CASE(GT_Q4_0, 3); break;
+    case 5: Q8_CASE(GT_Q4_1, 1); break;
+    case 6: Q8_CASE(GT_Q4_1, 2); break;
+    case 7: Q8_CASE(GT_Q4_1, 3); break;
+    case 9: Q8_CASE(GT_Q8_0, 1); break;
+    case 10: Q8_CASE(GT_Q8_0, 2); break;
+    default: Q8_CASE(GT_Q8_0, 3); break;
+    }
+}
+#else
+/* The scalar q8_group: the same integer sums and float terms, summed in block order. */
+static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    (void)pf, (void)pf_len;
+    const int64_t bb = block_bytes(type);
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < K / 32; b++) {
+                const uint8_t *src = p[r] + b * bb;
+                const xpair *xp = qx + m * ldq + b / 2;
+                const int h = (int)(b % 2);
+                int s = 0;
+                for (int j = 0; j < 32; j++) {
+                    int w = type == GT_Q8_0 ? ((const int8_t *)src)[2 + j]
+                            : (src[(type == GT_Q4_1 ? 4 : 2) + j % 16] >> (j / 16 * 4)) & 0xf;
+                    s += (type == GT_Q4_0 ? w - 8 : w) * (j < 16 ? xp->lo : xp->hi)[16 * h + j % 16];
+                }
+                acc += fp16_to_f32(rd16(src)) * xp->d[4 * h] * (float)s;
+                if (type == GT_Q4_1) acc += fp16_to_f32(rd16(src + 2)) * (xp->s4[4 * h] * 4.0f);
+            }
+            out[r][m] = acc;
+        }
+}
+#endif
+
+/* y [M, N] = the quantized x (quant_rows_work) times the stored W [N, K] (Q4_0/Q4_1/Q8_0), transposed
+ * (+ bias): GR weight rows per task, three rows of x a pass; for the threads of an enclosing region. */
+static void linear_q8_work(const xpair *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
+                           float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int64_t groups = (N + GR - 1) / GR, ldq = (K / 32 + 1) / 2;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p[GR];
+        float out[GR][3];
+        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
+            q8_group_any(type, mr, qx + m0 * ldq, ldq, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
+                         m0 ? 0 : GR * row_bytes, out);
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr; r++)
+                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+        }
+    }
+}
+
+/* linear_stored with x quantized to int8 blocks first (llama.cpp's arithmetic, approximate): for Q4_0, Q4_1
+ * and Q8_0 weights and K a multiple of 32 (returns -1 otherwise, computing nothing). */
+int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                     const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (!q8_type(type) || K % 32) return -1;
+    xpair *qx = malloc((size_t)(M * ((K / 32 + 1) / 2) + 1) * sizeof(xpair));
+    if (!qx) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        quant_rows_work(x, ldx, M, K, qx);
+        linear_q8_work(qx, w, type, row_bytes, bias, y, ldy, M, N, K);
+    }
+    free(qx);
+    return 0;
+}
+
 #if HAVE_AVX2
 /* ---- the decode step: every layer of a dense Llama-family model in one call ------------------------------
  * One parallel region for the whole step instead of a dozen Python-dispatched calls per layer (their
@@ -928,15 +1181,24 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
 #define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
 #define MODEL_WORDS 16
 
+/* qx (not NULL: int8 mode, room for DOT_MAX quantized rows of K): with at most DOT_MAX rows and K a
+ * multiple of 32, x is quantized once and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every
+ * part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
-                    int64_t K) {
+                    int64_t K, xpair *qx) {
     const float *bias = (const float *)d[1];
+    int q8 = 0;
+    for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_type((int)d[3 + 5 * i]);
+    q8 = q8 && qx && M <= DOT_MAX && K % 32 == 0;
+    if (q8) quant_rows_work(x, ldx, M, K, qx);
     int64_t off = 0;
     for (int i = 0; i < d[0]; i++) {
         const int64_t *p = d + 2 + 5 * i;
         const float *b = bias ? bias + off : 0;
         if (p[0] == 0)
             linear_packed_work(x, ldx, (const float *)p[2], b, y + off, ldy, M, p[4], K);
+        else if (q8 && q8_type((int)p[1]))
+            linear_q8_work(qx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);
         else
             linear_stored_work(x, ldx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);
         off += p[4];
@@ -956,8 +1218,10 @@ static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *q
 
 /* The model (MODEL_WORDS int64): layers, hidden, q heads, kv heads, head dim, intermediate, rotary dims,
  * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
- * data, row bytes. For B decode tokens: ids, positions, KV slots, page-table rows and key counts (int64);
- * scratch holds B x (3 H + qkv + Hq D + 3 I) floats; out [B, H] gets the final norm's output. */
+ * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run). For B
+ * decode tokens: ids, positions, KV slots, page-table rows and key counts (int64); scratch holds
+ * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode DOT_MAX x ceil(max(H, Hq D, I) / 64) xpairs (32
+ * floats each); out [B, H] gets the final norm's output. */
 void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids, const int64_t *pos,
                      const int64_t *loc, const int64_t *rows, const int64_t *lens, int64_t B, float *scratch,
                      float *out, float eps, float scale, int num_threads) {
@@ -967,6 +1231,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
     const int64_t QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     float *x = scratch, *res = x + B * H, *nrm = res + B * H, *qkv = nrm + B * H, *att = qkv + B * QKV;
     float *gu = att + B * Hq * D, *act = gu + B * 2 * I;
+    xpair *qx = m[15] ? (xpair *)(act + B * I) : 0;  // int8 mode: the quantized rows after act
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -986,7 +1251,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
                 if (l == 0) memcpy(res + b * H, x + b * H, H * sizeof(float));
                 rms_row(x + b * H, l ? res + b * H : 0, res + b * H, (const float *)ly[0], nrm + b * H, H, eps);
             }
-            lin_run(ly + 6, nrm, H, qkv, QKV, B, H);
+            lin_run(ly + 6, nrm, H, qkv, QKV, B, H, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) {
                 float *q = qkv + b * QKV, *k = q + Hq * D, *v = k + kv_row;
@@ -996,14 +1261,14 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
             }
             decode_attention_work(qkv, QKV, kc, vc, pt, m[10], rows, lens, att, (int)B, (int)Hq, (int)Hkv, (int)D,
                                   scale);
-            lin_run(ly + 6 + LIN_WORDS, att, Hq * D, x, H, B, Hq * D);
+            lin_run(ly + 6 + LIN_WORDS, att, Hq * D, x, H, B, Hq * D, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++)
                 rms_row(x + b * H, res + b * H, res + b * H, (const float *)ly[1], nrm + b * H, H, eps);
-            lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H);
+            lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) silu_row(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
-            lin_run(ly + 6 + 3 * LIN_WORDS, act, I, x, H, B, I);
+            lin_run(ly + 6 + 3 * LIN_WORDS, act, I, x, H, B, I, qx);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rms_row(x + b * H, res + b * H, res + b * H, final_norm, out + b * H, H, eps);

@@ -1,0 +1,206 @@
+"""The opt-in int8-activation dot for stored Q4_0/Q4_1/Q8_0 weights (`stored_dot="int8"`).
+
+The C kernel equals a numpy reference of llama.cpp's arithmetic (activations quantized to int8 blocks of
+32 with round half away from zero, exact integer block sums, float per-block terms) up to float summation
+order; it stays within a few percent of the float32 matmul on the dequantized weights; and through the
+CPU decode step a tiny GGUF model's logits stay close to the exact path's while differing from them (so
+the switch took effect), and equal them bit for bit past DOT_MAX rows (where the exact kernels run)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_llm, tiny_llm_kwargs
+
+from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel import stored
+
+gguf = pytest.importorskip("gguf")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
+
+Q8_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+_F32 = np.float32
+
+
+def quantized_rows(name: str, n: int, k: int, seed: int, outliers: bool = False) -> torch.Tensor:
+    """n random rows of k weights as `name` blocks from gguf's quantizer (uint8 [n, row bytes])."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(_F32)
+    if outliers:  # a few weights 40x the spread: their blocks get large scales
+        w[rng.integers(0, n, 8), rng.integers(0, k, 8)] = 2.0
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType[name])))
+
+
+def _unpack(name: str, data: np.ndarray, k: int):
+    """A stored weight's blocks as (quants int64 [n, k/32, 32], d, m float32 [n, k/32]), read from the
+    GGUF block layout directly."""
+    n, nb = data.shape[0], k // 32
+    blocks = data.reshape(n, nb, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(_F32)
+    m = np.zeros_like(d)
+    if name == "Q8_0":
+        return blocks[..., 2:34].copy().view(np.int8).astype(np.int64), d, m
+    if name == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(_F32)
+    qs = blocks[..., -16:].astype(np.int64)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
+    return (q - 8 if name == "Q4_0" else q), d, m
+
+
+def reference_quantize(x: np.ndarray):
+    """x float32 [M, K] -> (q int64 [M, K/32, 32], d, s float32 [M, K/32]): llama.cpp's activation blocks."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(-1) / _F32(127)).astype(_F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, _F32(1) / d, _F32(0)).astype(_F32)
+    v = (xb * inv[..., None]).astype(np.float64)  # the float32 product, widened exactly
+    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int64)  # round half away from zero
+    s = (d * q.sum(-1).astype(_F32)).astype(_F32)
+    return q, d, s
+
+
+def reference_int8_linear(name: str, x: np.ndarray, data: np.ndarray, bias: np.ndarray | None):
+    """(y, magnitude) in float64: the per-block float32 terms of the int8 dot, summed; and the sum over
+    blocks of |d_w d_x| sum |q_w q_x| (+ |m_w s_x|), which bounds every partial sum the kernel rounds."""
+    k = x.shape[1]
+    qx, dx, sx = reference_quantize(x)
+    qw, dw, mw = _unpack(name, data, k)
+    isum = np.einsum("mbj,nbj->mnb", qx, qw)  # exact integers
+    iabs = np.einsum("mbj,nbj->mnb", np.abs(qx), np.abs(qw))
+    scale = (dx[:, None, :] * dw[None, :, :]).astype(_F32)
+    terms = (scale * isum.astype(_F32)).astype(_F32)
+    mag = np.abs(scale.astype(np.float64)) * iabs
+    if name == "Q4_1":
+        mins = (mw[None, :, :] * sx[:, None, :]).astype(_F32)
+        terms, mag = terms + mins, mag + np.abs(mins.astype(np.float64))
+    y = terms.astype(np.float64).sum(-1)
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    return y, mag.sum(-1)
+
+
+def int8_linear(name: str, x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
+    y = torch.empty(x.shape[0], data.shape[0], dtype=torch.float32)
+    cpu_kernels.linear_stored_q8(x, stored.TYPE_IDS[name], data, bias, y)
+    return y.numpy().astype(np.float64)
+
+
+def _activations(rows: int, k: int, seed: int, zero_block: bool = False, outliers: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    if zero_block:
+        x[:, 32:64] = 0.0  # d = 0: the block contributes nothing
+    if outliers:
+        x[:, 5] = 60.0  # one value dominates its block's scale
+        x[-1, -1] = -300.0
+    return x
+
+
+def _check(name: str, x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None) -> None:
+    got = int8_linear(name, x, data, bias)
+    expected, mag = reference_int8_linear(
+        name, x.numpy(), data.numpy(), None if bias is None else bias.numpy()
+    )
+    # float32 sums of the same terms in another order (the kernel's per-lane partial sums, per-block
+    # roundings, then the lanes' sum): at most one rounding of the magnitude per block and a few more
+    rounds = x.shape[1] // 32 + 8
+    tol = 1e-5 * np.abs(expected) + rounds * 2**-24 * mag + 1e-7
+    bad = np.abs(got - expected) > tol
+    assert not bad.any(), (name, np.abs(got - expected)[bad][:5], tol[bad][:5])
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", Q8_TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9])  # passes of three rows of x, and their tails
+@pytest.mark.parametrize(("n", "k"), [(37, 96), (131, 544)])  # odd N: a partial group of 4 rows
+def test_int8_dot_equals_the_reference(name, rows, n, k):
+    data = quantized_rows(name, n, k, seed=rows * 7 + n)
+    x = _activations(rows, k, seed=rows + k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)) if rows % 2 else None
+    _check(name, x, data, bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_zero_blocks_and_outliers(name):
+    n, k = 37, 544
+    data = quantized_rows(name, n, k, seed=3, outliers=True)
+    x = _activations(5, k, seed=4, zero_block=True, outliers=True)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    _check(name, x, data, bias)
+    zero = torch.zeros(2, k)  # every block d = 0: exactly the bias
+    assert np.array_equal(int8_linear(name, zero, data, bias), bias.numpy()[None].repeat(2, 0))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_int8_dot_is_close_to_the_float32_matmul(name):
+    n, k = 131, 544
+    data = quantized_rows(name, n, k, seed=5)
+    x = _activations(4, k, seed=6)
+    dense = stored.dequantize(stored.TYPE_IDS[name], data, k).double()
+    exact = (x.double() @ dense.T).numpy()
+    got = int8_linear(name, x, data, None)
+    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    assert 0 < rel < 0.02, rel  # 8-bit activations: about 0.5% per element, never exact
+
+
+@needs_kernels
+def test_other_types_and_shapes_are_refused():
+    y = torch.empty(2, 8)
+    q4_k = torch.zeros(8, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError):  # not a type the int8 dot reads
+        cpu_kernels.linear_stored_q8(torch.randn(2, 256), stored.TYPE_IDS["Q4_K"], q4_k, None, y)
+    q8_0 = torch.zeros(8, 68, dtype=torch.uint8)
+    with pytest.raises(ValueError):  # k 48: not whole blocks of 32
+        cpu_kernels.linear_stored_q8(torch.randn(2, 48), stored.TYPE_IDS["Q8_0"], q8_0, None, y)
+
+
+# ---- through the CPU decode step ------------------------------------------------------------------------
+def _step_logits(engine, step, seqs: torch.Tensor, slot0: int) -> torch.Tensor:
+    """Logits [T, B, vocab] of the decode step run token by token over seqs [B, T] (teacher-forced: the
+    same tokens whatever it predicts), each sequence on page-table row b, its keys at slots from slot0."""
+    B, T = seqs.shape
+    rows = torch.arange(B, dtype=torch.int64)
+    out = []
+    for t in range(T):
+        pos = torch.full((B,), t, dtype=torch.int64)
+        loc = slot0 + rows * T + t
+        engine.page_table[rows, t] = loc.to(engine.page_table.dtype)
+        meta = SimpleNamespace(rows=rows, lens=pos + 1)  # what CpuAttnBackend.prepare_metadata makes
+        batch = SimpleNamespace(size=B, input_ids=seqs[:, t], positions=pos, out_loc=loc, attn_metadata=meta)
+        out.append(engine.model.compute_logits(step.run(batch)).float())
+    return torch.stack(out)
+
+
+@pytest.mark.skipif(not cpu_kernels.decode_step_available(), reason="no AVX2 build of the C kernels")
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_decode_step_int8_is_close_to_exact(name, tmp_path):
+    from test_gguf_stored import SPECS, write_tiny_gguf
+
+    from minisgl.engine.cpu_step import CpuDecodeStep
+
+    gguf_path, _ = write_tiny_gguf(name, str(tmp_path))
+    vocab = SPECS[name][3]["vocab_size"]
+    kw = tiny_llm_kwargs(weights_format="stored", attn="cpu", stored_dot="int8")
+    with make_llm(gguf_path, **kw) as llm, torch.inference_mode():
+        engine = llm.scheduler.engine
+        int8 = engine.cpu_step
+        args = (engine.model, engine.kv_pool, engine.page_table, engine.attn_backend, engine.dtype)
+        exact = CpuDecodeStep.create(*args, "exact")
+        prepared = engine.model_dir
+        for B in (3, 5):  # one pass of three rows of x; two passes (3 + 2)
+            seqs = torch.randint(0, vocab, (B, 6), generator=torch.Generator().manual_seed(B))
+            a = _step_logits(engine, exact, seqs, slot0=0)
+            b = _step_logits(engine, int8, seqs, slot0=1000)
+            cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+            assert cos.min() > 0.999, (name, B, cos.min())
+            assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
+        # past DOT_MAX (6) rows of x the int8 mode keeps the exact kernels: the same logits bit for bit
+        seqs = torch.randint(0, vocab, (7, 3), generator=torch.Generator().manual_seed(7))
+        assert torch.equal(_step_logits(engine, exact, seqs, 0), _step_logits(engine, int8, seqs, 1000))
+    shutil.rmtree(prepared, ignore_errors=True)  # the cached config directory of this temporary file
