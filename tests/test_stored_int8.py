@@ -4,7 +4,7 @@ The C kernel equals a numpy reference of llama.cpp's arithmetic (activations qua
 32 with round half away from zero, exact integer block sums, float per-block terms) up to float summation
 order; it stays within a few percent of the float32 matmul on the dequantized weights; and through the
 CPU decode step a tiny GGUF model's logits stay close to the exact path's while differing from them (so
-the switch took effect), and equal them bit for bit past DOT_MAX rows (where the exact kernels run)."""
+the switch took effect), and equal them bit for bit past Q8_MAX rows (where the exact kernels run)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _check(name: str, x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | 
 
 @needs_kernels
 @pytest.mark.parametrize("name", Q8_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9])  # passes of three rows of x, and their tails
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 32])  # passes of three rows of x, and their tails
 @pytest.mark.parametrize(("n", "k"), [(37, 96), (131, 544)])  # odd N: a partial group of 4 rows
 def test_int8_dot_equals_the_reference(name, rows, n, k):
     data = quantized_rows(name, n, k, seed=rows * 7 + n)
@@ -193,14 +193,14 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
         args = (engine.model, engine.kv_pool, engine.page_table, engine.attn_backend, engine.dtype)
         exact = CpuDecodeStep.create(*args, "exact")
         prepared = engine.model_dir
-        for B in (3, 5):  # one pass of three rows of x; two passes (3 + 2)
+        for B in (3, 5, 13):  # one pass of three rows of x; two passes (3 + 2); five
             seqs = torch.randint(0, vocab, (B, 6), generator=torch.Generator().manual_seed(B))
             a = _step_logits(engine, exact, seqs, slot0=0)
             b = _step_logits(engine, int8, seqs, slot0=1000)
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
             assert cos.min() > 0.999, (name, B, cos.min())
             assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
-        # past DOT_MAX (6) rows of x the int8 mode keeps the exact kernels: the same logits bit for bit
-        seqs = torch.randint(0, vocab, (7, 3), generator=torch.Generator().manual_seed(7))
+        # past Q8_MAX (32) rows of x the int8 mode keeps the exact kernels: the same logits bit for bit
+        seqs = torch.randint(0, vocab, (33, 2), generator=torch.Generator().manual_seed(7))
         assert torch.equal(_step_logits(engine, exact, seqs, 0), _step_logits(engine, int8, seqs, 1000))
     shutil.rmtree(prepared, ignore_errors=True)  # the cached config directory of this temporary file

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
-_DOT_MAX = 6  # rows of x up to which cpu_kernels.c's int8 dot runs (DOT_MAX there)
+_Q8_MAX = 32  # rows of x up to which cpu_kernels.c's int8 mode runs the int8 dot (Q8_MAX there)
 
 
 class Unsupported(Exception):
@@ -125,9 +125,9 @@ class CpuDecodeStep:
         dims = [len(layers), cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim, self.inter]
         model_words = [*dims, cos_sin.shape[1], cos_sin.data_ptr(), _norm_ptr(inner.norm, self._keep)]
         model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8)]
-        # int8: room for _DOT_MAX rows of the widest linear input quantized (pairs of blocks, 32 floats each)
+        # int8: room for _Q8_MAX rows of the widest linear input quantized (pairs of blocks, 32 floats each)
         widest = max(self.hidden, self.q, self.inter)
-        self._q8_floats = _DOT_MAX * ((widest + 63) // 64) * 32 if int8 else 0
+        self._q8_floats = _Q8_MAX * ((widest + 63) // 64) * 32 if int8 else 0
         self.model_desc = torch.tensor(model_words, dtype=torch.int64)
         self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
         self._scratch = torch.empty(0)

@@ -1180,8 +1180,12 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
 #define LIN_WORDS 17
 #define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
 #define MODEL_WORDS 16
+#ifndef Q8_MAX
+#define Q8_MAX 32 /* rows of x up to which the step's int8 mode runs the int8 dot (faster than the exact
+                     kernels at every count measured, 1-32: 81 against 71 ms a step's GEMVs at 32 rows) */
+#endif
 
-/* qx (not NULL: int8 mode, room for DOT_MAX quantized rows of K): with at most DOT_MAX rows and K a
+/* qx (not NULL: int8 mode, room for Q8_MAX quantized rows of K): with at most Q8_MAX rows and K a
  * multiple of 32, x is quantized once and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every
  * part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
@@ -1189,7 +1193,7 @@ static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int
     const float *bias = (const float *)d[1];
     int q8 = 0;
     for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_type((int)d[3 + 5 * i]);
-    q8 = q8 && qx && M <= DOT_MAX && K % 32 == 0;
+    q8 = q8 && qx && M <= Q8_MAX && K % 32 == 0;
     if (q8) quant_rows_work(x, ldx, M, K, qx);
     int64_t off = 0;
     for (int i = 0; i < d[0]; i++) {
@@ -1220,7 +1224,7 @@ static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *q
  * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
  * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run). For B
  * decode tokens: ids, positions, KV slots, page-table rows and key counts (int64); scratch holds
- * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode DOT_MAX x ceil(max(H, Hq D, I) / 64) xpairs (32
+ * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode Q8_MAX x ceil(max(H, Hq D, I) / 64) xpairs (32
  * floats each); out [B, H] gets the final norm's output. */
 void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids, const int64_t *pos,
                      const int64_t *loc, const int64_t *rows, const int64_t *lens, int64_t B, float *scratch,
