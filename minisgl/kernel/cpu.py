@@ -286,10 +286,14 @@ def linear_stored(
     """y [M, n] = x [M, k] float32 times the stored W [n, k], transposed (+ bias): the blocks are dequantized
     inside the kernel. x, y and data have unit column stride (y may be a column slice); the library is
     loaded (stored.linear checks available() first)."""
-    M, K = x.shape
-    N = y.shape[1]
+    _lib.linear_stored(*_stored_args(x, ggml_type, data, bias, y))
+
+
+def _stored_args(x, ggml_type: int, data: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> tuple:
+    """linear_stored's and linear_stored_q8's C arguments."""
+    (M, K), N = x.shape, y.shape[1]
     b = bias.data_ptr() if bias is not None else None
-    _lib.linear_stored(
+    ptrs = (
         x.data_ptr(),
         x.stride(0),
         data.data_ptr(),
@@ -298,11 +302,8 @@ def linear_stored(
         b,
         y.data_ptr(),
         y.stride(0),
-        M,
-        N,
-        K,
-        torch.get_num_threads(),
     )
+    return (*ptrs, M, N, K, torch.get_num_threads())
 
 
 def linear_stored_q8(
@@ -314,26 +315,12 @@ def linear_stored_q8(
 ) -> None:
     """linear_stored with x quantized to int8 blocks of 32 first (llama.cpp's arithmetic, approximate):
     Q4_0/Q4_1/Q8_0 weights, k a multiple of 32 (ValueError otherwise). Same layout rules as linear_stored."""
-    M, K = x.shape
-    N = y.shape[1]
     assert x.stride(1) == 1 and y.stride(1) == 1 and data.stride(1) == 1
-    b = bias.data_ptr() if bias is not None else None
-    rc = _load().linear_stored_q8(
-        x.data_ptr(),
-        x.stride(0),
-        data.data_ptr(),
-        ggml_type,
-        data.stride(0),
-        b,
-        y.data_ptr(),
-        y.stride(0),
-        M,
-        N,
-        K,
-        torch.get_num_threads(),
-    )
+    rc = _load().linear_stored_q8(*_stored_args(x, ggml_type, data, bias, y))
     if rc != 0:
-        raise ValueError(f"the int8 dot takes Q4_0/Q4_1/Q8_0 with k % 32 == 0, not type {ggml_type}, k {K}")
+        raise ValueError(
+            f"the int8 dot takes Q4_0/Q4_1/Q8_0 with k % 32 == 0, not type {ggml_type}, k {x.shape[1]}"
+        )
 
 
 def decode_step_available() -> bool:

@@ -715,6 +715,33 @@ static void linear_stored_dot_work(const float *x, int64_t ldx, const uint8_t *w
     }
 }
 
+/* The dot paths' task loop (the exact one over float rows of x, the int8 one over quantized rows): GR weight
+ * rows a task, three rows of x a pass (the registers hold no more; the group's blocks come from L1 after the
+ * first pass), the group PF_AHEAD groups on (its rows are contiguous) prefetched while this one computes.
+ * fn(type, rows, x, ld, p, K, pf, pf_len, out) dots the rows; x's rows are ld elements of elem bytes apart. */
+typedef void (*group_fn)(int type, int M, const void *x, int64_t ld, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][3]);
+static void dot_tasks_work(group_fn fn, const void *x, int64_t ld, size_t elem, const uint8_t *w, int type,
+                           int64_t row_bytes, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                           int64_t K) {
+    const int64_t groups = (N + GR - 1) / GR;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p[GR];
+        float out[GR][3];
+        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+        for (int64_t m0 = 0; m0 < M; m0 += 3) {
+            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
+            fn(type, mr, (const char *)x + m0 * ld * (int64_t)elem, ld, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
+               m0 ? 0 : GR * row_bytes, out);
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr; r++)
+                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+        }
+    }
+}
+
 #if HAVE_AVX2
 /* One block of 32 dequantized into four vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
  * fp16 scale (and Q4_1's minimum) are converted as a broadcast word: no scalar round trip. */
@@ -818,28 +845,16 @@ static void dot_group_any(int type, int M, const float *x, int64_t ldx, const ui
     }
 }
 
-/* The dot path for 1..DOT_MAX rows of x: GR weight rows per task. */
+static void dot_group_fn(int type, int M, const void *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    dot_group_any(type, M, (const float *)x, ldx, p, K, pf, pf_len, out);
+}
+
+/* The dot path for 1..DOT_MAX rows of x. */
 static void linear_stored_dot_avx2_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
-                                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
-                                   int64_t K) {
-    int64_t groups = (N + GR - 1) / GR;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p[GR];
-        float out[GR][3];
-        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
-        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
-        // three rows of x at a time (the registers hold no more), the group's blocks from L1 after the first
-        for (int64_t m0 = 0; m0 < M; m0 += 3) {
-            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
-            // the group PF_AHEAD groups on (its rows are contiguous), fetched while this one is computed
-            dot_group_any(type, mr, x + m0 * ldx, ldx, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
-                          m0 ? 0 : GR * row_bytes, out);
-            for (int m = 0; m < mr; m++)
-                for (int r = 0; r < nr; r++)
-                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
-        }
-    }
+                                        const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                                        int64_t K) {
+    dot_tasks_work(dot_group_fn, x, ldx, sizeof(float), w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
 /* dst [8][ldd] = src [8][lds] transposed. */
@@ -1131,26 +1146,16 @@ static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const ui
 }
 #endif
 
+static void q8_group_fn(int type, int M, const void *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                        const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+    q8_group_any(type, M, (const xpair *)qx, ldq, p, K, pf, pf_len, out);
+}
+
 /* y [M, N] = the quantized x (quant_rows_work) times the stored W [N, K] (Q4_0/Q4_1/Q8_0), transposed
- * (+ bias): GR weight rows per task, three rows of x a pass; for the threads of an enclosing region. */
+ * (+ bias); for the threads of an enclosing region. */
 static void linear_q8_work(const xpair *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    const int64_t groups = (N + GR - 1) / GR, ldq = (K / 32 + 1) / 2;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p[GR];
-        float out[GR][3];
-        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
-        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
-        for (int64_t m0 = 0; m0 < M; m0 += 3) {
-            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
-            q8_group_any(type, mr, qx + m0 * ldq, ldq, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
-                         m0 ? 0 : GR * row_bytes, out);
-            for (int m = 0; m < mr; m++)
-                for (int r = 0; r < nr; r++)
-                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
-        }
-    }
+    dot_tasks_work(q8_group_fn, qx, (K / 32 + 1) / 2, sizeof(xpair), w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
 /* linear_stored with x quantized to int8 blocks first (llama.cpp's arithmetic, approximate): for Q4_0, Q4_1
