@@ -88,9 +88,7 @@ def kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype, kv: str 
     float32 (half-precision K/V are stored exactly, upcast); `kv` fp8_e4m3 stores K/V as float8 e4m3
     (rounded to nearest, no scale, as vLLM's fp8 cache without calibrated scales), upcast where read."""
     names = [resolve_attn_name(n.strip(), device, dtype) for n in name.split(",")]
-    if kv not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {kv!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
-    if KV_CACHE_DTYPES[kv] is not None:
+    if KV_CACHE_DTYPES[kv] is not None:  # kv is one of them: the option's choices
         if "cpu" in names:
             raise ValueError(
                 f"--kv-cache-dtype {kv} needs the triton or torch attention backend "
@@ -118,6 +116,7 @@ def create_attn_backend(
 
 __all__ = [
     "ATTN_BACKENDS",
+    "KV_CACHE_DTYPES",
     "AttnConfig",
     "BaseAttnBackend",
     "attn_backend_names",

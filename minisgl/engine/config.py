@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention import check_attn_name
+from minisgl.attention import KV_CACHE_DTYPES, check_attn_name
 from minisgl.distributed import DistributedInfo
 from minisgl.utils.options import OptionError, check, option
 
@@ -48,7 +48,7 @@ class EngineConfig:
         "auto",
         help="auto: K/V stored in the model's dtype (float32 under the cpu attention backend); fp8_e4m3: "
         "one byte a value (no scale; half of bf16's bytes, approximate), with the triton or torch backend",
-        choices=["auto", "fp8_e4m3"],
+        choices=list(KV_CACHE_DTYPES),
     )
     num_pages: int | None = option(
         None, help="KV pool size in pages (default: from memory)", min=1, aliases=["num_page_override"]
