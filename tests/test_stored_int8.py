@@ -161,6 +161,18 @@ def test_other_types_and_shapes_are_refused():
 
 
 # ---- through the CPU decode step ------------------------------------------------------------------------
+def _one_step(engine, tokens: torch.Tensor, slot0: int) -> SimpleNamespace:
+    """A decode batch of the first tokens of len(tokens) fresh sequences (page-table rows 0.., slots from
+    slot0), as CpuDecodeStep.run reads it."""
+    B = tokens.shape[0]
+    rows = torch.arange(B, dtype=torch.int64)
+    pos = torch.zeros(B, dtype=torch.int64)
+    loc = slot0 + rows
+    engine.page_table[rows, 0] = loc.to(engine.page_table.dtype)
+    meta = SimpleNamespace(rows=rows, lens=pos + 1)
+    return SimpleNamespace(size=B, input_ids=tokens, positions=pos, out_loc=loc, attn_metadata=meta)
+
+
 def _step_logits(engine, step, seqs: torch.Tensor, slot0: int) -> torch.Tensor:
     """Logits [T, B, vocab] of the decode step run token by token over seqs [B, T] (teacher-forced: the
     same tokens whatever it predicts), each sequence on page-table row b, its keys at slots from slot0."""
@@ -173,13 +185,14 @@ def _step_logits(engine, step, seqs: torch.Tensor, slot0: int) -> torch.Tensor:
         engine.page_table[rows, t] = loc.to(engine.page_table.dtype)
         meta = SimpleNamespace(rows=rows, lens=pos + 1)  # what CpuAttnBackend.prepare_metadata makes
         batch = SimpleNamespace(size=B, input_ids=seqs[:, t], positions=pos, out_loc=loc, attn_metadata=meta)
-        out.append(engine.model.compute_logits(step.run(batch)).float())
+        out.append(step.logits(step.run(batch)).float())
     return torch.stack(out)
 
 
 @pytest.mark.skipif(not cpu_kernels.decode_step_available(), reason="no AVX2 build of the C kernels")
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_decode_step_int8_is_close_to_exact(name, tmp_path):
+    """Both steps teacher-forced over the same sequences; the int8 step's LM head as its layers'."""
     from test_gguf_stored import SPECS, write_tiny_gguf
 
     from minisgl.engine.cpu_step import CpuDecodeStep
@@ -200,6 +213,18 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
             assert cos.min() > 0.999, (name, B, cos.min())
             assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
+        # the LM head: the exact step's is the model's own; the int8 step's is the int8 dot (the kernel
+        # checked against the reference above) where the head is a type it reads (llama: the tied Q8_0
+        # embedding), the model's own otherwise (qwen3: a Q6_K head)
+        h = exact.run(_one_step(engine, seqs[:4, 0], slot0=2000))
+        assert torch.equal(exact.logits(h), engine.model.compute_logits(h))
+        head = engine.model.lm_head.weight.parts[0]
+        if stored.STORED_TYPES[head.ggml_type][0] in Q8_TYPES:
+            want = torch.empty(4, head.n)
+            cpu_kernels.linear_stored_q8(h, head.ggml_type, head.data, None, want)
+            assert torch.equal(int8.logits(h), want) and not torch.equal(want, exact.logits(h))
+        else:
+            assert torch.equal(int8.logits(h), exact.logits(h))
         # past Q8_MAX (32) rows of x the int8 mode keeps the exact kernels: the same logits bit for bit
         seqs = torch.randint(0, vocab, (33, 2), generator=torch.Generator().manual_seed(7))
         assert torch.equal(_step_logits(engine, exact, seqs, 0), _step_logits(engine, int8, seqs, 1000))

@@ -117,8 +117,8 @@ class EngineConfig:
     stored_dot: str = option(
         "exact",
         help="exact: float32 activations times each block dequantized with the reference arithmetic; "
-        "int8: in the CPU decode step, activations quantized to 8-bit blocks of 32 (llama.cpp's "
-        "arithmetic) for Q4_0/Q4_1/Q8_0 weights: faster, approximate",
+        "int8: in the CPU decode step (its layers and LM head), activations quantized to 8-bit blocks of "
+        "32 (llama.cpp's arithmetic) for Q4_0/Q4_1/Q8_0 weights: faster, approximate",
         choices=["exact", "int8"],
     )
     weights_format: str = option(
