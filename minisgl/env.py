@@ -36,6 +36,13 @@ class Env:
         return _flag("MINISGL_PDL", default=True)
 
     @property
+    def layer_kernel(self) -> bool:
+        """Run each decoder layer of a one-request decode step as one Triton launch (kernel/triton/layer.py,
+        MINISGL_LAYER_KERNEL=1); off by default: on an H200 it measured slower than the layer's own five
+        kernels (docs/BENCHMARKS.md)."""
+        return _flag("MINISGL_LAYER_KERNEL")
+
+    @property
     def check_integrity(self) -> bool:
         """Fail (not just log) when the idle-time KV integrity check finds a leak; tests set it."""
         return _flag("MINISGL_STRICT_INTEGRITY")

@@ -195,21 +195,24 @@ def test_gemv_add_rms_norm_matches_norm_then_linear(tiles, dtype, with_residual)
 
 @pytest.mark.parametrize("tiles", [(4, 16), None])  # K = 4 heads x 10 dims: the (4, 16) blocks cut heads
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_merged_equals_merging_the_splits_then_linear(tiles, bias):
+# (splits, seq_len, splits holding keys): 50 keys over 8 splits of whole 16-key blocks fill 4 of them, one
+# group of the splits read at once; 150 keys over 12 fill 10, three groups with a running max across them
+@pytest.mark.parametrize("layout", [(8, 50, 4), (12, 150, 10)])
+def test_gemv_merged_equals_merging_the_splits_then_linear(tiles, bias, layout):
     """The output projection that merges a one-request split-KV decode output as it reads it: the splits
-    that hold keys (seq_len 50 over 8 splits of whole 16-key blocks: 4 of them) weighted by their
-    log-sum-exps; the empty ones hold NaN and must not be read."""
+    that hold keys weighted by their log-sum-exps; the empty ones hold NaN and must not be read."""
     from minisgl.kernel import SplitAttention
 
-    Hq, S, D, N = 4, 8, 10, 37
+    S, seq_len, held = layout
+    Hq, D, N = 4, 10, 37
     mid_o = _randn(1, Hq, S, D, seed=3)
     mid_lse = _randn(1, Hq, S, seed=4) * 3
-    mid_o[:, :, 4:], mid_lse[:, :, 4:] = float("nan"), float("nan")
-    seq_lens = torch.tensor([50], dtype=torch.int32, device=DEVICE)
+    mid_o[:, :, held:], mid_lse[:, :, held:] = float("nan"), float("nan")
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
     w = _randn(N, Hq * D, dtype=torch.bfloat16, seed=5)
     b = _randn(N, dtype=torch.bfloat16, seed=6) if bias else None
-    weights = torch.softmax(mid_lse[0, :, :4] * math.log(2), dim=-1)  # 2^lse, normalised
-    merged = (weights[:, :, None] * mid_o[0, :, :4]).sum(1).to(torch.bfloat16).view(1, -1)
+    weights = torch.softmax(mid_lse[0, :, :held] * math.log(2), dim=-1)  # 2^lse, normalised
+    merged = (weights[:, :, None] * mid_o[0, :, :held]).sum(1).to(torch.bfloat16).view(1, -1)
     want = torch.nn.functional.linear(merged.float(), w.float(), None if b is None else b.float())
     parts = SplitAttention(mid_o, mid_lse, seq_lens, S, 16, torch.bfloat16, lambda: None)
     assert triton_kernels.gemv_merge_fits(parts, w)
@@ -596,6 +599,33 @@ def test_llm_with_triton_attention_and_decode_graphs_equals_hf(tiny_model_dirs, 
         assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "triton attention + graphs")
 
 
+@pytest.mark.parametrize("arch", ["llama3_rope", "qwen2", "qwen3"])  # rope scaling, QKV bias, q/k norm
+def test_llm_with_the_layer_kernel_equals_hf(arch, tiny_model_dirs, hf_reference, monkeypatch):
+    """One request at a time, so every decode step runs each layer as one layer-kernel launch (its stages
+    launch by launch under the interpreter), replayed through the graph of one request: Hugging Face's
+    greedy tokens. The layer's own kernels do not run: the count of layer launches says so."""
+    from helpers import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+
+    from minisgl.kernel.triton import layer
+
+    monkeypatch.setenv("MINISGL_LAYER_KERNEL", "1")
+    launches = []
+    real = layer.decode_layer
+    monkeypatch.setattr(layer, "decode_layer", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_kernels, "decode_layer", layer.decode_layer)
+    vocab = TINY_SPECS[arch].config_kwargs["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed) for n, seed in [(21, 4), (6, 5)]]
+    kwargs = tiny_llm_kwargs(attn="triton", page_size=4, cuda_graph_max_bs=1, max_running_req=1)
+    with make_llm(tiny_model_dirs[arch], **kwargs) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    layers = TINY_SPECS[arch].config_kwargs["num_hidden_layers"]
+    # the interpreter's emulated graphs run the layers' Python at every replay (4 decode steps a request);
+    # a GPU's graphs launch what was captured, so there the count is that of the capture and warm-up
+    assert len(launches) >= (4 * 2 * layers if DEVICE.type == "cpu" else layers)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], hf_reference(arch), prompt, "the layer kernel")
+
+
 def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
     """Prefill through the (emulated) prefill graphs: chunks of up to 16 tokens padded to a captured size,
     several requests a step, chunks on cached prefixes (page size 4, a shared prompt prefix), decode through
@@ -635,3 +665,86 @@ def test_llm_with_prefill_graphs_equals_hf(tiny_model_dirs, hf_reference):
         assert runner.can_run(Batch([None], Phase.PREFILL, [0], [runner.max_tokens], [True]))
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "prefill graphs")
+
+
+# ---- the layer kernel ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama / Qwen3
+@pytest.mark.parametrize("first_layer", [False, True])  # no residual yet: h is x
+@pytest.mark.parametrize("splits", [1, 3, 8])  # one split of several key blocks; 3 and 8 (4 holding keys)
+def test_decode_layer_equals_the_layer_op_by_op(qk_norm, first_layer, splits):
+    """The layer kernel (one request, its stages one launch each under the interpreter; on a GPU also the
+    single launch with its grid barriers) against the layer written with the torch references: the
+    pre-norm QKV projection (with a bias), q/k norm + rotary, the new K/V stored, attention over the pool
+    (naive reference), the output projection, the post-norm gated MLP. Odd shapes: every tile masks."""
+    from minisgl.kernel import LayerWeights
+    from minisgl.kernel.triton.layer import decode_layer
+
+    hidden, inter, Hq, Hk, D, seq_len = 40, 56, 4, 2, HEAD_DIM, 50
+    setup = PagedSetup(4, Hq, Hk, [seq_len])
+    batch = setup.batch(Phase.DECODE, [seq_len - 1], [1])
+    n_qkv = (Hq + 2 * Hk) * D
+    lw = LayerWeights(
+        1 + _randn(hidden, seed=1) / 4,
+        _randn(n_qkv, hidden, seed=2) / 5,
+        _randn(n_qkv, seed=3) / 5,
+        (1 + _randn(D, seed=4) / 4) if qk_norm else None,
+        (1 + _randn(D, seed=5) / 4) if qk_norm else None,
+        _randn(hidden, Hq * D, seed=6) / 8,
+        1 + _randn(hidden, seed=7) / 4,
+        _randn(2 * inter, hidden, seed=8) / 5,
+        _randn(hidden, inter, seed=9) / 6,
+        1e-6,
+    )
+    x = _randn(1, hidden, seed=10)
+    residual = None if first_layer else _randn(1, hidden, seed=11)
+    cache = _randn(MAX_SEQ, D, seed=12)
+    pool_k, pool_v = setup.pool.k(0), setup.pool.v(0)
+
+    # the reference, op by op, on a copy of the pool
+    want_setup = PagedSetup(4, Hq, Hk, [seq_len])
+    qkv, h = ref.add_rms_norm_linear(x, residual, lw.in_norm, lw.eps, lw.qkv, lw.qkv_bias)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(1, Hq, D), k.view(1, Hk, D), v.view(1, Hk, D)
+    if qk_norm:
+        q, k = ref.qk_norm_rotary(q, k, lw.q_norm, lw.k_norm, lw.eps, batch.positions, cache)
+    else:
+        q, k = ref.apply_rotary(q, k, batch.positions, cache)
+    ref.store_kv(want_setup.pool.k(0), want_setup.pool.v(0), batch.out_loc.long(), k, v)
+    attn = naive_over_pool(want_setup, batch, q).view(1, -1)
+    gate_up, want_h2 = ref.add_rms_norm_linear(attn @ lw.o.T, h, lw.post_norm, lw.eps, lw.gate_up)
+    want_y = ref.silu_and_mul_linear(gate_up, lw.down)
+
+    mid_o = torch.full((1, Hq, splits, D), float("nan"), device=DEVICE)  # empty splits are never read
+    mid_lse = torch.full((1, Hq, splits), float("nan"), device=DEVICE)
+    forms = [True] + ([False] if DEVICE.type == "cuda" else [])  # staged; the single launch on a GPU
+    for staged in forms:
+        fresh = PagedSetup(4, Hq, Hk, [seq_len]).pool  # the pool as before the step
+        setup.pool.k_buffer.copy_(fresh.k_buffer)
+        setup.pool.v_buffer.copy_(fresh.v_buffer)
+        y, h2 = decode_layer(
+            x,
+            residual,
+            lw,
+            Hq,
+            Hk,
+            pool_k,
+            pool_v,
+            setup.page_table,
+            batch.table_idx,
+            batch.seq_lens_t,
+            batch.out_loc,
+            batch.positions,
+            cache,
+            mid_o,
+            mid_lse,
+            splits,
+            D**-0.5,
+            block_n=16,
+            precision="ieee",
+            staged=staged,
+        )
+        # the projection sums in another order than F.linear: the stored rows equal up to rounding
+        torch.testing.assert_close(pool_v, want_setup.pool.v(0), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pool_k, want_setup.pool.k(0), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h2, want_h2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-5)

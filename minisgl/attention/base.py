@@ -60,6 +60,10 @@ class BaseAttnBackend(ABC):
         prepare_metadata (or the graph hooks) for the batch."""
         return UNFUSED
 
+    def layer_inputs(self, batch: Batch, layer_id: int) -> dict:
+        """Under the plan's whole_layer: the attention arguments of kernel.decode_layer for this layer."""
+        raise NotImplementedError(f"{type(self).__name__} does not run whole layers")
+
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
@@ -99,6 +103,9 @@ class HybridBackend(BaseAttnBackend):
 
     def fusion_plan(self, batch: Batch) -> FusionPlan:
         return self._pick(batch).fusion_plan(batch)
+
+    def layer_inputs(self, batch: Batch, layer_id: int) -> dict:
+        return self._pick(batch).layer_inputs(batch, layer_id)
 
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         self.decode.init_capture_graph(max_bs, capture_bs)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import triton
 
+from minisgl.env import ENV
 from minisgl.kernel import Rope, SplitAttention
 from minisgl.kernel.triton import store_kv
 from minisgl.kernel.triton.attention import decode_split, extend_attention, merge_splits
@@ -94,6 +95,8 @@ class TritonAttnBackend(BaseAttnBackend):
             self.decode_launch = {"num_warps": 4, "num_stages": (2, 2)}
             self.extend_blocks = (16, 16)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
+        # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
+        self.layer_kernel = ENV.layer_kernel
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
         self._staging = HostRing(config.device)  # pinned buffers for the extend metadata
@@ -113,8 +116,14 @@ class TritonAttnBackend(BaseAttnBackend):
     def _decode_metadata(
         self, batch: Batch, num_splits: int, mid_o: torch.Tensor | None, mid_lse: torch.Tensor | None
     ) -> TritonDecodeMetadata:
-        # one request in several splits: the output projection's GEMV merges them as it reads them
-        plan = FusionPlan(rope_in_attention=True, merge_in_o_proj=batch.size == 1 and num_splits > 1)
+        # one request in several splits: the output projection's GEMV merges them as it reads them; one
+        # request: the whole layer in one launch where the layer kernel serves (kernel/triton/layer.py)
+        one = batch.size == 1
+        plan = FusionPlan(
+            rope_in_attention=True,
+            merge_in_o_proj=one and num_splits > 1,
+            whole_layer=one and self.layer_kernel,
+        )
         return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse, plan)
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -150,6 +159,29 @@ class TritonAttnBackend(BaseAttnBackend):
     # ---- compute ---------------------------------------------------------------------------------
     def fusion_plan(self, batch: Batch) -> FusionPlan:
         return batch.attn_metadata.plan
+
+    def layer_inputs(self, batch: Batch, layer_id: int) -> dict:
+        meta = batch.attn_metadata
+        mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
+        if mid_o is None:  # one split: the layer kernel still takes its output through the merge
+            cfg = self.config
+            mid_o = torch.empty((1, cfg.num_heads, 1, cfg.head_dim), dtype=torch.float32, device=cfg.device)
+            mid_lse = torch.empty((1, cfg.num_heads, 1), dtype=torch.float32, device=cfg.device)
+        return {
+            "k_cache": self.kv_pool.k(layer_id),
+            "v_cache": self.kv_pool.v(layer_id),
+            "page_table": self.page_table,
+            "table_idx": meta.table_idx,
+            "seq_lens": meta.seq_lens,
+            "out_loc": batch.out_loc,
+            "positions": batch.positions,
+            "mid_o": mid_o,
+            "mid_lse": mid_lse,
+            "num_splits": splits,
+            "scale": self.scale,
+            "block_n": self.decode_block_n,
+            "precision": self.precision,
+        }
 
     def forward(self, q, k, v, layer_id, batch, rope: Rope | None = None) -> torch.Tensor | SplitAttention:
         k_cache, v_cache = self.kv_pool.k(layer_id), self.kv_pool.v(layer_id)

@@ -47,6 +47,22 @@ class SplitAttention(NamedTuple):
     merge: Callable[[], torch.Tensor]  # runs the merge kernel: the output as [B, Hq * D]
 
 
+class LayerWeights(NamedTuple):
+    """The tensors of one dense decoder layer that decode_layer reads: the pre-norms, the projections
+    (W row-major, [gate | up] stacked) and Qwen3's q/k norms (None for Llama)."""
+
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    eps: float
+
+
 class SamplingRows(NamedTuple):
     """A batch's per-row sampling parameters on the device, as `sample` reads them (an unlimited filter
     holds its neutral value: top_k >= vocab, top_p 1, min_p 0)."""
@@ -78,6 +94,34 @@ def _triton_kernels():
     except ImportError:
         return None
     return triton_kernels
+
+
+def decode_layer(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weights: LayerWeights,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin_cache: torch.Tensor,
+    attention: dict,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole dense decoder layer of a one-request decode step in one launch (kernel/triton/layer.py):
+    (the MLP's output, the new residual) of x on the stream x + residual, the new K/V stored. `attention`:
+    the attention backend's layer_inputs for the layer. The layer kernel has no torch form: the layer's
+    own modules are its reference."""
+    kernels = _triton_kernels()
+    assert kernels is not None, "the layer kernel needs Triton"
+    return kernels.decode_layer(
+        x, residual, weights, num_heads, num_kv_heads, cos_sin_cache=cos_sin_cache, **attention
+    )
+
+
+def decode_layer_fits(weights: LayerWeights) -> bool:
+    """Whether decode_layer serves a layer of these weights (Triton there, every width within its tile)."""
+    kernels = _triton_kernels()
+    return kernels is not None and kernels.layer_fits(
+        weights.qkv.shape[1], weights.down.shape[1], weights.o.shape[1]
+    )
 
 
 def _on_gpu(x: torch.Tensor) -> bool:

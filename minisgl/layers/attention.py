@@ -31,6 +31,9 @@ class FusionPlan:
     # attention returns its KV splits unmerged (a kernel.SplitAttention) and the output projection's
     # kernel merges them as it reads its input
     merge_in_o_proj: bool = False
+    # the decoder layer runs as one launch of the layer kernel (kernel.decode_layer), the backend giving
+    # its attention inputs (layer_inputs); a layer the kernel does not serve ignores it and runs as above
+    whole_layer: bool = False
 
 
 UNFUSED = FusionPlan()

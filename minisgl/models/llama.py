@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from minisgl import kernel
 from minisgl.core import get_global_ctx
 from minisgl.layers import (
     AttentionLayer,
@@ -93,10 +94,49 @@ class LlamaDecoderLayer(nn.Module):
             cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
         )
 
+    def layer_weights(self) -> kernel.LayerWeights | None:
+        """The tensors kernel.decode_layer reads, or None where the layer kernel does not serve this layer:
+        a mixture of experts, tensor parallelism, an output-projection bias, weights kept as stored blocks,
+        widths past the kernel's tile."""
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp_size > 1 or attn.o_proj.bias is not None:
+            return None
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(type(p.weight) is nn.Parameter for p in projections):
+            return None
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if len({n.eps for n in norms}) > 1:
+            return None
+        weights = kernel.LayerWeights(
+            self.input_layernorm.weight,
+            attn.qkv_proj.weight,
+            attn.qkv_proj.bias,
+            None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight,
+            attn.o_proj.weight,
+            self.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            mlp.down_proj.weight,
+            self.input_layernorm.eps,
+        )
+        return weights if kernel.decode_layer_fits(weights) else None
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         """A pre-norm block on the stream x + residual (x alone on the first layer): adds attention, then
         the MLP. Each residual add and RMSNorm runs in the projection that follows it (forward_prenorm),
-        so the block's output is (mlp output, residual) with the add still pending."""
+        so the block's output is (mlp output, residual) with the add still pending. Where the attention
+        backend's plan says whole_layer, the layer kernel runs all of it in one launch."""
+        ctx = get_global_ctx()
+        if ctx.attn_backend.fusion_plan(ctx.batch).whole_layer:
+            weights = self.layer_weights()
+            if weights is not None:
+                attn = self.self_attn
+                inputs = ctx.attn_backend.layer_inputs(ctx.batch, attn.attn.layer_id)
+                return kernel.decode_layer(
+                    x, residual, weights, attn.num_heads, attn.num_kv_heads, attn.rotary.cos_sin_cache, inputs
+                )
         x, residual = self.self_attn(x, residual, self.input_layernorm)
         return self.mlp(x, residual, self.post_attention_layernorm)
 

@@ -12,6 +12,7 @@ paged attention kernels of the Triton attention backend.
 | argmax | the greedy token over the vocabulary |
 | sampling | temperature, min-p, top-k, top-p and seeded noise for a batch, one program per row |
 | attention | split-KV paged decode and its merge, prefill/extend |
+| layer | a whole decoder layer of a one-request decode step in one launch (grid barriers between stages) |
 | moe | mixture-of-experts routing and the fused experts (align, grouped GEMMs, sum); tiles in moe_configs.json |
 
 kernel/__init__.py calls the ops below for CUDA tensors; importing this package fails where Triton is
@@ -22,6 +23,7 @@ from .argmax import argmax
 from .gemm import gemm, gemm_add_rms_norm, gemm_fits
 from .gemv import gemv, gemv_add_rms_norm, gemv_fits, gemv_merge_fits, gemv_merged
 from .launch import launch_opts, pdl
+from .layer import decode_layer, layer_fits
 from .moe import fused_moe, moe_route
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import apply_rotary, qk_norm_rotary, store_kv
@@ -30,6 +32,7 @@ from .sampling import sample
 __all__ = [
     "apply_rotary",
     "argmax",
+    "decode_layer",
     "fused_add_rms_norm",
     "fused_moe",
     "gemm",
@@ -41,6 +44,7 @@ __all__ = [
     "gemv_merge_fits",
     "gemv_merged",
     "launch_opts",
+    "layer_fits",
     "moe_route",
     "pdl",
     "qk_norm_rotary",

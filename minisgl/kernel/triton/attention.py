@@ -87,60 +87,74 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
                          stride_vnh, loc_ptr, pos_ptr, cache_ptr, stride_cache, qw_ptr, kw_ptr, eps, HALF,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          PRECISION: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    """Program (KV head x split, request b): attend the GROUP query heads of this KV head over the split's
-    keys; write the normalised partial output and its log2-sum-exp. A split past the sequence's end writes
-    nothing (the merge reads only the splits that hold keys). Without mid_lse_ptr (one split) the output
-    itself goes to mid_o_ptr, in its dtype, and there is no merge.
-    With cache_ptr (the rotary's cos|sin table) q, k and v are the projection's raw outputs: q is rotated
-    here (after a per-head RMSNorm with qw_ptr/kw_ptr, Qwen3), and the split holding the new key rotates k
-    and writes k and v into the pool row loc[b] before reading its keys, so no rotary or KV-store kernel
-    runs before this one."""
+    """Program (KV head x split, request b): _attend_program."""
     gdc_begin(PDL)
     # (KV head, split) varies fastest, so programs start request by request in batch order: the scheduler
     # puts the longest requests first and the shortest programs fill the last wave
-    b = tl.program_id(1)
-    kv_head = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    _attend_program(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr, mid_o_ptr,
+                    mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
+                    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, scale_log2, GROUP, D, NUM_SPLITS, k_ptr,
+                    v_ptr, stride_kb, stride_knh, stride_vb, stride_vnh, loc_ptr, pos_ptr, cache_ptr, stride_cache,
+                    qw_ptr, kw_ptr, eps, HALF, tl.program_id(1), tl.program_id(0) // NUM_SPLITS,
+                    tl.program_id(0) % NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, PRECISION, DOT)
+
+
+@triton.jit
+def _attend_program(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr, mid_o_ptr,
+                    mid_lse_ptr, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
+                    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, scale_log2, GROUP, D, NUM_SPLITS, k_ptr,
+                    v_ptr, stride_kb, stride_knh, stride_vb, stride_vnh, loc_ptr, pos_ptr, cache_ptr, stride_cache,
+                    qw_ptr, kw_ptr, eps, HALF, b, kv_head, split, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr):
+    """Attend the GROUP query heads of kv_head for request b over the keys of one split; write the
+    normalised partial output and its log2-sum-exp. A split past the sequence's end writes nothing (the
+    merge reads only the splits that hold keys). Without mid_lse_ptr (one split) the output itself goes
+    to mid_o_ptr, in its dtype, and there is no merge.
+    With cache_ptr (the rotary's cos|sin table) q, k and v are the projection's raw outputs: q is rotated
+    here (after a per-head RMSNorm with qw_ptr/kw_ptr, Qwen3), and the split holding the new key rotates k
+    and writes k and v into the pool row loc[b] before reading its keys, so no rotary or KV-store kernel
+    runs before this one. (Also the attention stage of the layer kernel, kernel/triton/layer.py.)"""
     seq_len = tl.load(seq_lens_ptr + b)
     # split lengths are whole key blocks, so only the sequence's last block needs a bounds mask
     chunk = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
-    if start >= seq_len:  # graphs fix the split count for max_seq_len: most splits are empty at short lengths
-        return
-    end = tl.minimum(start + chunk, seq_len)
-    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    # graphs fix the split count for max_seq_len: most splits are empty at short lengths
+    if start < seq_len:
+        end = tl.minimum(start + chunk, seq_len)
+        row = tl.load(table_idx_ptr + b).to(tl.int64)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_h
-    head_mask = offs_h < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < D
-    if cache_ptr is not None:
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        cos, sin, partner, sign = rope_consts(cache_ptr, stride_cache, pos, dims, HALF)
-        q = rope_rows(q_ptr + b.to(tl.int64) * stride_qb, heads, stride_qh, head_mask, qw_ptr, eps, cos, sin,
-                      partner, sign, dims, D).to(q_ptr.dtype.element_ty)
-        if end == seq_len:  # this split holds the new key: rotate it and store it (and v) first
-            slot = tl.load(loc_ptr + b).to(tl.int64)
-            _store_new_kv(k_ptr + b.to(tl.int64) * stride_kb, v_ptr + b.to(tl.int64) * stride_vb, stride_knh,
-                          stride_vnh, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh, slot,
-                          kv_head, kw_ptr, eps, cos, sin, partner, sign, dims, D)
-            tl.debug_barrier()  # the stores are visible to every thread of the program before the loads below
-    else:
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                    mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+        offs_h = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_h
+        head_mask = offs_h < GROUP
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < D
+        if cache_ptr is not None:
+            pos = tl.load(pos_ptr + b).to(tl.int64)
+            cos, sin, partner, sign = rope_consts(cache_ptr, stride_cache, pos, dims, HALF)
+            q = rope_rows(q_ptr + b.to(tl.int64) * stride_qb, heads, stride_qh, head_mask, qw_ptr, eps, cos, sin,
+                          partner, sign, dims, D).to(q_ptr.dtype.element_ty)
+            if end == seq_len:  # this split holds the new key: rotate it and store it (and v) first
+                slot = tl.load(loc_ptr + b).to(tl.int64)
+                _store_new_kv(k_ptr + b.to(tl.int64) * stride_kb, v_ptr + b.to(tl.int64) * stride_vb, stride_knh,
+                              stride_vnh, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                              slot, kv_head, kw_ptr, eps, cos, sin, partner, sign, dims, D)
+                tl.debug_barrier()  # the stores are visible to every thread of the program before the loads below
+        else:
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                        mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
-    if DOT is not None:
-        q = q.to(DOT)
-    m_i, l_i, acc = _attend_split(q, k_cache_ptr, v_cache_ptr, page_table_ptr + row * stride_pt, start, end,
-                                  kv_head, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims, dim_mask,
-                                  BLOCK_H, BLOCK_N, BLOCK_D, PRECISION)
-    out = acc / l_i[:, None]
-    mid = mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + dims[None, :]
-    tl.store(mid, out.to(mid_o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
-    if mid_lse_ptr is not None:
-        lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
-        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+        if DOT is not None:
+            q = q.to(DOT)
+        m_i, l_i, acc = _attend_split(q, k_cache_ptr, v_cache_ptr, page_table_ptr + row * stride_pt, start, end,
+                                      kv_head, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims,
+                                      dim_mask, BLOCK_H, BLOCK_N, BLOCK_D, PRECISION)
+        out = acc / l_i[:, None]
+        mid = (mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+               + dims[None, :])
+        tl.store(mid, out.to(mid_o_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+        if mid_lse_ptr is not None:
+            lse = m_i + tl.log2(l_i)  # l_i >= 1: the split holds at least one key
+            tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
 @triton.jit

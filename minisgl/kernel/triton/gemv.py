@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_mul
+from .attention import _split_len
 from .launch import gdc_begin, half_rows, launch_opts, pdl
 
 
@@ -161,7 +162,7 @@ def _gemv_merge_kernel(o_ptr, lse_ptr, seq_len_ptr, w_ptr, b_ptr, y_ptr, N, stri
     offs_n, n_mask, w_rows, w = _weights(w_ptr, stride_wn, N, K, BLOCK_N, BLOCK_K)
     gdc_begin(PDL)
     seq_len = tl.load(seq_len_ptr)
-    n_splits = tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_N) * SPLIT_N)
+    n_splits = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, SPLIT_N))
     dtype = w_ptr.dtype.element_ty
     y = _dot(w, _merged_block(o_ptr, lse_ptr, n_splits, stride_oh, stride_os, stride_lh, 0, K, HEAD_D, BLOCK_K,
                               dtype))
