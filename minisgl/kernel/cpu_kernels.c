@@ -87,6 +87,26 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The float vector the exact stored-weight dot works in: 16 lanes where AVX-512 is (one zmm holds half a
+ * block of 32, twice the work an instruction of the AVX2 form), else 8. */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VW 16
+#define vf_zero _mm512_setzero_ps
+#define vf_load _mm512_loadu_ps
+#define vf_fma _mm512_fmadd_ps
+#define vf_add _mm512_add_ps
+#define vf_sum _mm512_reduce_add_ps
+#else
+typedef __m256 vf;
+#define VW 8
+#define vf_zero _mm256_setzero_ps
+#define vf_load _mm256_loadu_ps
+#define vf_fma _mm256_fmadd_ps
+#define vf_add _mm256_add_ps
+#define vf_sum hsum8
+#endif
+
 /* The 8 horizontal sums of a[0..7], as one vector. */
 static inline __m256 hsum8x8(const __m256 *a) {
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -194,7 +214,11 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
     }
     }
 #define NR 16
+#if defined(__AVX512F__)
+#define MR 12 /* one zmm a row of a panel slice: 12 accumulators, enough chains for both FMA ports */
+#else
 #define MR 6
+#endif
 #define MB 96
 #define KC 192
 
@@ -219,6 +243,33 @@ void pack_weight_f32(const float *w, float *wp, int64_t N, int64_t K, int num_th
     }
 }
 
+#if defined(__AVX512F__)
+/* y[0..R) x [0..nr) (+)= R rows of x times one panel slice: R accumulators of 16 lanes, each x value an
+ * embedded broadcast of its FMA; R a compile-time constant (1..12) so they stay in registers. */
+static inline __attribute__((always_inline)) void micro_rows(const int R, const float *x, int64_t ldx,
+                                                             const float *wp, int64_t K, float *y, int64_t ldy,
+                                                             int nr, const float *bias, const float *next,
+                                                             int accumulate) {
+    __m512 a[12];
+#pragma GCC unroll 12
+    for (int i = 0; i < R; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (next) _mm_prefetch((const char *)(next + k * NR), _MM_HINT_T1);  // one line of the next panel per k
+        __m512 w = _mm512_loadu_ps(wp + k * NR);
+#pragma GCC unroll 12
+        for (int i = 0; i < R; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, a[i]);
+    }
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; i++) {
+        float *yr = y + i * ldy;
+        __m512 base = accumulate ? _mm512_maskz_loadu_ps(mask, yr)
+                      : bias     ? _mm512_maskz_loadu_ps(mask, bias)
+                                 : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(yr, mask, _mm512_add_ps(a[i], base));
+    }
+}
+#else
 /* y[0..R) x [0..nr) (+)= R rows of x times one panel slice: 2R accumulators, R a compile-time constant
  * (1..6) so they stay in registers. */
 static inline __attribute__((always_inline)) void micro_rows(const int R, const float *x, int64_t ldx,
@@ -248,15 +299,24 @@ static inline __attribute__((always_inline)) void micro_rows(const int R, const 
     }
 }
 
+#endif
+
 #define MICRO(R)                                                                                            \
     static void micro_##R(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,    \
                           int nr, const float *bias, const float *next, int accumulate) {                    \
         micro_rows(R, x, ldx, wp, K, y, ldy, nr, bias, next, accumulate);                                   \
     }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+#if MR > 6
+MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+#endif
 typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, const float *,
                          const float *, int);
-static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
+static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6,
+#if MR > 6
+                                        micro_7, micro_8, micro_9, micro_10, micro_11, micro_12
+#endif
+};
 
 /* The work of linear_packed_f32 for the threads of an enclosing parallel region (alone: one thread); x and y
  * with row strides ldx and ldy. */
@@ -743,8 +803,31 @@ static void dot_tasks_work(group_fn fn, const void *x, int64_t ld, size_t elem, 
 }
 
 #if HAVE_AVX2
-/* One block of 32 dequantized into four vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
+/* One block of 32 dequantized into 32 / VW vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
  * fp16 scale (and Q4_1's minimum) are converted as a broadcast word: no scalar round trip. */
+#if VW == 16
+static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, vf v[2]) {
+    __m512 d, m = _mm512_setzero_ps();
+    if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
+        __m512 dm = _mm512_cvtph_ps(_mm256_set1_epi32(*(const int32_t *)src));
+        d = _mm512_moveldup_ps(dm);
+        m = _mm512_movehdup_ps(dm);
+    } else {
+        d = _mm512_cvtph_ps(_mm256_set1_epi16(*(const int16_t *)src));
+    }
+    if (type == GT_Q8_0) {
+        for (int i = 0; i < 2; i++)
+            v[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * i)))), d);
+        return;
+    }
+    // the 16 bytes widened once: their low nibbles are elements 0..15, their high nibbles 16..31
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + (type == GT_Q4_1 ? 4 : 2))));
+    __m512 f[2] = {_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(0x0f))),
+                   _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4))};
+    for (int i = 0; i < 2; i++)  // Q4_1: q * d is exact, the fused multiply-add rounds once like the reference
+        v[i] = type == GT_Q4_1 ? _mm512_fmadd_ps(f[i], d, m) : _mm512_mul_ps(_mm512_sub_ps(f[i], _mm512_set1_ps(8.0f)), d);
+}
+#else
 static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, __m256 v[4]) {
     __m256 d, m = _mm256_setzero_ps();
     if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
@@ -773,6 +856,7 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
         for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(_mm256_sub_ps(f[i], eight), d);
     }
 }
+#endif
 
 /* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
  * dequantized into registers once and multiplied into all M rows (for one row of x two accumulators a weight
@@ -783,10 +867,10 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
                                                             int64_t ldx, const uint8_t *const p[GR], int wtype,
                                                             int64_t K, const uint8_t *pf, int64_t pf_len,
                                                             float out[GR][3]) {
-    __m256 acc[GR][3][2];
+    vf acc[GR][3][2];
     float buf[GR * QKC] __attribute__((aligned(32)));
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();  // [1]: M == 1 only
+        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = vf_zero();  // [1]: M == 1 only
     const int64_t bb = type ? block_bytes(type) : 0, chunks = (K + QKC - 1) / QKC;
     const int64_t pf_step = (pf_len + chunks - 1) / chunks;
     for (int64_t k0 = 0, c = 0; k0 < K; k0 += QKC, c++) {
@@ -797,24 +881,20 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
             for (int r = 0; r < GR; r++) dequant_span(wtype, p[r], k0, kc, buf + r * QKC);
         for (int64_t k = 0; k < kc; k += 32) {
             for (int r = 0; r < GR; r++) {
-                __m256 v[4];
+                vf v[32 / VW];
                 if (type) {
                     deq32(type, p[r] + (k0 + k) / 32 * bb, v);
                 } else {
-                    for (int i = 0; i < 4; i++) v[i] = _mm256_load_ps(buf + r * QKC + k + 8 * i);
+                    for (int i = 0; i < 32 / VW; i++) v[i] = vf_load(buf + r * QKC + k + VW * i);
                 }
                 for (int m = 0; m < M; m++) {
                     const float *xm = x + m * ldx + k0 + k;
                     if (M == 1) {  // two chains for one row of x; with more rows, those are chains enough
-                        __m256 a0 = acc[r][0][0], a1 = acc[r][0][1];
-                        a0 = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), a0);
-                        a1 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), a1);
-                        a0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), a0);
-                        acc[r][0][1] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), a1);
-                        acc[r][0][0] = a0;
+                        for (int i = 0; i < 32 / VW; i++)
+                            acc[r][0][i % 2] = vf_fma(v[i], vf_load(xm + VW * i), acc[r][0][i % 2]);
                     } else {
-                        __m256 a = acc[r][m][0];
-                        for (int i = 0; i < 4; i++) a = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xm + 8 * i), a);
+                        vf a = acc[r][m][0];
+                        for (int i = 0; i < 32 / VW; i++) a = vf_fma(v[i], vf_load(xm + VW * i), a);
                         acc[r][m][0] = a;
                     }
                 }
@@ -822,7 +902,7 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
         }
     }
     for (int r = 0; r < GR; r++)
-        for (int m = 0; m < M; m++) out[r][m] = hsum8(M == 1 ? _mm256_add_ps(acc[r][m][0], acc[r][m][1]) : acc[r][m][0]);
+        for (int m = 0; m < M; m++) out[r][m] = vf_sum(M == 1 ? vf_add(acc[r][m][0], acc[r][m][1]) : acc[r][m][0]);
 }
 
 #define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
