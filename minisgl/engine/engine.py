@@ -23,7 +23,14 @@ from minisgl.models.gguf_weights import load_gguf, load_stored_safetensors
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.moe import create_moe_backend
 from minisgl.utils import init_logger
-from minisgl.utils.device import HostRing, is_cuda, pick_device, set_cpu_threads, synchronize
+from minisgl.utils.device import (
+    HostRing,
+    is_cuda,
+    keep_freed_memory,
+    pick_device,
+    set_cpu_threads,
+    synchronize,
+)
 from minisgl.utils.gguf_file import GGUF_LINK
 from minisgl.utils.hf import load_hf_config, resolve_model_path
 
@@ -91,6 +98,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         else:
             threads = set_cpu_threads(tp.size // config.nnodes)
+            keep_freed_memory()
             logger.info(f"CPU engine: {threads} threads")
 
         self.model_dir = resolve_model_path(config.model_path, config.weights_format)

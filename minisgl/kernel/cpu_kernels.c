@@ -94,6 +94,7 @@ typedef __m512 vf;
 #define VW 16
 #define vf_zero _mm512_setzero_ps
 #define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
 #define vf_fma _mm512_fmadd_ps
 #define vf_add _mm512_add_ps
 #define vf_sum _mm512_reduce_add_ps
@@ -102,6 +103,7 @@ typedef __m256 vf;
 #define VW 8
 #define vf_zero _mm256_setzero_ps
 #define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
 #define vf_fma _mm256_fmadd_ps
 #define vf_add _mm256_add_ps
 #define vf_sum hsum8
@@ -592,66 +594,90 @@ static int64_t block_bytes(int type) {
     }
 }
 
-static void deq_q4_0(const uint8_t *src, int64_t n, float *out) {
-    for (int64_t b = 0; b < n; b += 32, src += 18, out += 32) {
-        const float d = fp16_to_f32(rd16(src));
-        const uint8_t *qs = src + 2;
-#if defined(__AVX2__) && defined(__FMA__)
-        __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
-        __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-        __m256 dv = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
-        __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_sub_ps(v0, eight), dv));
-        _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_sub_ps(v1, eight), dv));
-        _mm256_storeu_ps(out + 16, _mm256_mul_ps(_mm256_sub_ps(v2, eight), dv));
-        _mm256_storeu_ps(out + 24, _mm256_mul_ps(_mm256_sub_ps(v3, eight), dv));
+#if HAVE_AVX2
+/* One block of 32 dequantized into 32 / VW vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
+ * fp16 scale (and Q4_1's minimum) are converted as a broadcast word: no scalar round trip. */
+#if VW == 16
+static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, vf v[2]) {
+    __m512 d, m = _mm512_setzero_ps();
+    if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
+        __m512 dm = _mm512_cvtph_ps(_mm256_set1_epi32(*(const int32_t *)src));
+        d = _mm512_moveldup_ps(dm);
+        m = _mm512_movehdup_ps(dm);
+    } else {
+        d = _mm512_cvtph_ps(_mm256_set1_epi16(*(const int16_t *)src));
+    }
+    if (type == GT_Q8_0) {
+        for (int i = 0; i < 2; i++)
+            v[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * i)))), d);
+        return;
+    }
+    // the 16 bytes widened once: their low nibbles are elements 0..15, their high nibbles 16..31
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + (type == GT_Q4_1 ? 4 : 2))));
+    __m512 f[2] = {_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(0x0f))),
+                   _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4))};
+    for (int i = 0; i < 2; i++)  // Q4_1: q * d is exact, the fused multiply-add rounds once like the reference
+        v[i] = type == GT_Q4_1 ? _mm512_fmadd_ps(f[i], d, m) : _mm512_mul_ps(_mm512_sub_ps(f[i], _mm512_set1_ps(8.0f)), d);
+}
 #else
-        for (int j = 0; j < 16; j++) {
-            out[j] = (float)((qs[j] & 0xf) - 8) * d;
-            out[j + 16] = (float)((qs[j] >> 4) - 8) * d;
-        }
-#endif
+static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, __m256 v[4]) {
+    __m256 d, m = _mm256_setzero_ps();
+    if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
+        __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(*(const int32_t *)src));
+        d = _mm256_moveldup_ps(dm);
+        m = _mm256_movehdup_ps(dm);
+    } else {
+        d = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
+    }
+    // zero/sign-extending loads straight from memory: one shuffle per 8 quants
+    if (type == GT_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * i)))), d);
+        return;
+    }
+    const uint8_t *qs = src + (type == GT_Q4_1 ? 4 : 2);
+    const __m256i m4 = _mm256_set1_epi32(0x0f);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m4)),
+                   _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+    if (type == GT_Q4_1) {  // q * d is exact: the fused multiply-add rounds once, like the reference's add
+        for (int i = 0; i < 4; i++) v[i] = _mm256_fmadd_ps(f[i], d, m);
+    } else {
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(_mm256_sub_ps(f[i], eight), d);
     }
 }
-
-static void deq_q4_1(const uint8_t *src, int64_t n, float *out) {
-    for (int64_t b = 0; b < n; b += 32, src += 20, out += 32) {
-        const float d = fp16_to_f32(rd16(src)), m = fp16_to_f32(rd16(src + 2));
-        const uint8_t *qs = src + 4;
-#if defined(__AVX2__) && defined(__FMA__)
-        __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
-        __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-        __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-        // d * q is exact, so the fused multiply-add rounds exactly as the reference's multiply, then add
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, mv));
-        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, mv));
-        _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, mv));
-        _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, mv));
-#else
-        for (int j = 0; j < 16; j++) {
-            out[j] = (float)(qs[j] & 0xf) * d + m;
-            out[j + 16] = (float)(qs[j] >> 4) * d + m;
-        }
 #endif
-    }
-}
+#endif
 
-static void deq_q8_0(const uint8_t *src, int64_t n, float *out) {
-    for (int64_t b = 0; b < n; b += 32, src += 34, out += 32) {
-        const float d = fp16_to_f32(rd16(src));
-        const int8_t *qs = (const int8_t *)(src + 2);
-#if defined(__AVX2__) && defined(__FMA__)
-        __m256 dv = _mm256_set1_ps(d);
-        __m128i q0 = _mm_loadu_si128((const __m128i *)qs), q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
-        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), dv));
-        _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), dv));
-        _mm256_storeu_ps(out + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), dv));
-        _mm256_storeu_ps(out + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), dv));
+/* Q4_0 / Q4_1 / Q8_0: n elements (a multiple of 32) of consecutive blocks, (q - 8) d, q d + m, q d. */
+static void deq_q32(int type, const uint8_t *src, int64_t n, float *out) {
+    const int64_t bb = block_bytes(type);
+    for (int64_t b = 0; b < n; b += 32, src += bb, out += 32) {
+#if HAVE_AVX2
+        vf v[32 / VW];
+        if (type == GT_Q4_0) deq32(GT_Q4_0, src, v);
+        else if (type == GT_Q4_1) deq32(GT_Q4_1, src, v);
+        else deq32(GT_Q8_0, src, v);
+        for (int i = 0; i < 32 / VW; i++) vf_store(out + VW * i, v[i]);
 #else
-        for (int j = 0; j < 32; j++) out[j] = (float)qs[j] * d;
+        const float d = fp16_to_f32(rd16(src));
+        if (type == GT_Q8_0) {
+            for (int j = 0; j < 32; j++) out[j] = (float)((const int8_t *)src)[2 + j] * d;
+            continue;
+        }
+        const float m = type == GT_Q4_1 ? fp16_to_f32(rd16(src + 2)) : 0.0f;
+        const uint8_t *qs = src + (type == GT_Q4_1 ? 4 : 2);
+        for (int j = 0; j < 16; j++) {
+            if (type == GT_Q4_1) {
+                out[j] = (float)(qs[j] & 0xf) * d + m;
+                out[j + 16] = (float)(qs[j] >> 4) * d + m;
+            } else {
+                out[j] = (float)((qs[j] & 0xf) - 8) * d;
+                out[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+            }
+        }
 #endif
     }
 }
@@ -720,9 +746,9 @@ static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, fl
     case GT_F32: memcpy(out, src, n * sizeof(float)); break;
     case GT_F16: deq_half(src, n, out, 0); break;
     case GT_BF16: deq_half(src, n, out, 1); break;
-    case GT_Q4_0: deq_q4_0(src, n, out); break;
-    case GT_Q4_1: deq_q4_1(src, n, out); break;
-    case GT_Q8_0: deq_q8_0(src, n, out); break;
+    case GT_Q4_0:
+    case GT_Q4_1:
+    case GT_Q8_0: deq_q32(type, src, n, out); break;
     case GT_Q4_K: deq_q4_k(src, n, out); break;
     case GT_Q6_K: deq_q6_k(src, n, out); break;
     default: break;
@@ -803,61 +829,6 @@ static void dot_tasks_work(group_fn fn, const void *x, int64_t ld, size_t elem, 
 }
 
 #if HAVE_AVX2
-/* One block of 32 dequantized into 32 / VW vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
- * fp16 scale (and Q4_1's minimum) are converted as a broadcast word: no scalar round trip. */
-#if VW == 16
-static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, vf v[2]) {
-    __m512 d, m = _mm512_setzero_ps();
-    if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
-        __m512 dm = _mm512_cvtph_ps(_mm256_set1_epi32(*(const int32_t *)src));
-        d = _mm512_moveldup_ps(dm);
-        m = _mm512_movehdup_ps(dm);
-    } else {
-        d = _mm512_cvtph_ps(_mm256_set1_epi16(*(const int16_t *)src));
-    }
-    if (type == GT_Q8_0) {
-        for (int i = 0; i < 2; i++)
-            v[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2 + 16 * i)))), d);
-        return;
-    }
-    // the 16 bytes widened once: their low nibbles are elements 0..15, their high nibbles 16..31
-    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + (type == GT_Q4_1 ? 4 : 2))));
-    __m512 f[2] = {_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(0x0f))),
-                   _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4))};
-    for (int i = 0; i < 2; i++)  // Q4_1: q * d is exact, the fused multiply-add rounds once like the reference
-        v[i] = type == GT_Q4_1 ? _mm512_fmadd_ps(f[i], d, m) : _mm512_mul_ps(_mm512_sub_ps(f[i], _mm512_set1_ps(8.0f)), d);
-}
-#else
-static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *src, __m256 v[4]) {
-    __m256 d, m = _mm256_setzero_ps();
-    if (type == GT_Q4_1) {  // [d m d m ...] -> all d, all m
-        __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(*(const int32_t *)src));
-        d = _mm256_moveldup_ps(dm);
-        m = _mm256_movehdup_ps(dm);
-    } else {
-        d = _mm256_cvtph_ps(_mm_set1_epi16(*(const int16_t *)src));
-    }
-    // zero/sign-extending loads straight from memory: one shuffle per 8 quants
-    if (type == GT_Q8_0) {
-        for (int i = 0; i < 4; i++)
-            v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 2 + 8 * i)))), d);
-        return;
-    }
-    const uint8_t *qs = src + (type == GT_Q4_1 ? 4 : 2);
-    const __m256i m4 = _mm256_set1_epi32(0x0f);
-    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-    __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m4)),
-                   _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
-    if (type == GT_Q4_1) {  // q * d is exact: the fused multiply-add rounds once, like the reference's add
-        for (int i = 0; i < 4; i++) v[i] = _mm256_fmadd_ps(f[i], d, m);
-    } else {
-        const __m256 eight = _mm256_set1_ps(8.0f);
-        for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(_mm256_sub_ps(f[i], eight), d);
-    }
-}
-#endif
-
 /* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
  * dequantized into registers once and multiplied into all M rows (for one row of x two accumulators a weight
  * row, so the chains of dependent adds stay short). type 0 (any type) reads rows already dequantized into buf [GR][QKC] a chunk

@@ -152,6 +152,22 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep and reuse freed blocks of any size instead of returning each large one to the
+    system (mmap/munmap): a CPU step's activations and logits are megabytes, and every fresh mapping costs
+    page faults and the kernel zeroing its pages again. False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    limit = 1 << 30  # glibc's cap for the mmap threshold on 64-bit is 32 MiB unless set explicitly
+    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, limit))
+
+
 def set_cpu_threads(tp_size: int = 1) -> int:
     """Physical cores / TP size threads unless OMP_NUM_THREADS is set: one thread per logical core slows
     small decode matmuls down by tens of times."""
