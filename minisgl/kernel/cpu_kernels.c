@@ -95,6 +95,10 @@ typedef __m512 vf;
 #define vf_zero _mm512_setzero_ps
 #define vf_load _mm512_loadu_ps
 #define vf_store _mm512_storeu_ps
+#define vf_mul _mm512_mul_ps
+#define vf_set1 _mm512_set1_ps
+/* the 16 lanes folded to 8 (lane i + lane i + 8): what hsum8x8 takes */
+#define vf_fold8(a) _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))
 #define vf_fma _mm512_fmadd_ps
 #define vf_add _mm512_add_ps
 #define vf_sum _mm512_reduce_add_ps
@@ -104,6 +108,9 @@ typedef __m256 vf;
 #define vf_zero _mm256_setzero_ps
 #define vf_load _mm256_loadu_ps
 #define vf_store _mm256_storeu_ps
+#define vf_mul _mm256_mul_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_fold8(a) (a)
 #define vf_fma _mm256_fmadd_ps
 #define vf_add _mm256_add_ps
 #define vf_sum hsum8
@@ -136,9 +143,9 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* AVX2 version for D % 32 == 0: two FMA chains per dot product, the V sum in blocks of 32 floats held in
- * registers across a chunk (the chunk's V rows stay in L1 while each query head reads them). */
-static void attend_group_avx2(const float *q, const float *k, const float *v, int64_t slot_stride,
+/* Vector version for D % (4 VW) == 0: 8 key rows' dot products at a time, the V sum in blocks of 4 VW floats
+ * held in registers across a chunk (the chunk's V rows stay in L1 while each query head reads them). */
+static void attend_group_vec(const float *q, const float *k, const float *v, int64_t slot_stride,
                               const int32_t *slots, int64_t len, int G, int D, float scale, float *m, float *l,
                               float *acc) {
     float corr[G];
@@ -163,21 +170,23 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
             }
             for (int g = 0; g < G; g++) {
                 const float *qg = q + g * D;
-                __m256 a[8];
-                for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 8) {
-                    __m256 qv = _mm256_loadu_ps(qg + d);
-                    for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + d), a[r]);
+                vf a[8];
+                __m256 h[8];
+                for (int r = 0; r < 8; r++) a[r] = vf_zero();
+                for (int d = 0; d < D; d += VW) {
+                    vf qv = vf_load(qg + d);
+                    for (int r = 0; r < 8; r++) a[r] = vf_fma(qv, vf_load(kr[r] + d), a[r]);
                 }
-                _mm256_store_ps(s + g * CHUNK + t, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+                for (int r = 0; r < 8; r++) h[r] = vf_fold8(a[r]);
+                _mm256_store_ps(s + g * CHUNK + t, _mm256_mul_ps(hsum8x8(h), _mm256_set1_ps(scale)));
             }
         }
         for (; t < n; t++) {
             const float *kr = k + (int64_t)cs[t] * slot_stride;
             for (int g = 0; g < G; g++) {
-                __m256 a0 = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), _mm256_loadu_ps(kr + d), a0);
-                s[g * CHUNK + t] = hsum8(a0) * scale;
+                vf a0 = vf_zero();
+                for (int d = 0; d < D; d += VW) a0 = vf_fma(vf_load(q + g * D + d), vf_load(kr + d), a0);
+                s[g * CHUNK + t] = vf_sum(a0) * scale;
             }
         }
         for (int g = 0; g < G; g++) {
@@ -193,24 +202,16 @@ static void attend_group_avx2(const float *q, const float *k, const float *v, in
         for (int g = 0; g < G; g++) {
             const float *pg = s + g * CHUNK;
             float *ag = acc + g * D;
-            __m256 c = _mm256_set1_ps(corr[g]);
-            for (int d0 = 0; d0 < D; d0 += 32) {
-                __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0), c);
-                __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0 + 8), c);
-                __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0 + 16), c);
-                __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(ag + d0 + 24), c);
+            vf c = vf_set1(corr[g]);
+            for (int d0 = 0; d0 < D; d0 += 4 * VW) {
+                vf a[4];
+                for (int i = 0; i < 4; i++) a[i] = vf_mul(vf_load(ag + d0 + VW * i), c);
                 for (int t = 0; t < n; t++) {
                     const float *vr = v + (int64_t)cs[t] * slot_stride + d0;
-                    __m256 p = _mm256_broadcast_ss(pg + t);
-                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), a0);
-                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), a1);
-                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), a2);
-                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), a3);
+                    vf p = vf_set1(pg[t]);
+                    for (int i = 0; i < 4; i++) a[i] = vf_fma(p, vf_load(vr + VW * i), a[i]);
                 }
-                _mm256_storeu_ps(ag + d0, a0);
-                _mm256_storeu_ps(ag + d0 + 8, a1);
-                _mm256_storeu_ps(ag + d0 + 16, a2);
-                _mm256_storeu_ps(ag + d0 + 24, a3);
+                for (int i = 0; i < 4; i++) vf_store(ag + d0 + VW * i, a[i]);
             }
         }
     }
@@ -360,8 +361,8 @@ static void attend_group(const float *q, const float *k, const float *v, int64_t
                          const int32_t *slots, int64_t len, int G, int D, float scale, float *m, float *l,
                          float *acc) {
 #if HAVE_AVX2
-    if (D % 32 == 0) {
-        attend_group_avx2(q, k, v, slot_stride, slots, len, G, D, scale, m, l, acc);
+    if (D % (4 * VW) == 0) {
+        attend_group_vec(q, k, v, slot_stride, slots, len, G, D, scale, m, l, acc);
         return;
     }
 #endif
