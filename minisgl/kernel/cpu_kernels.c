@@ -321,6 +321,13 @@ static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, m
 #endif
 };
 
+/* Rows of x the next micro-kernel call takes when `left` remain: the calls of an MR-row block split it evenly
+ * (16 rows as 8 + 8, not 12 + 4: a call of few rows has too few FMA chains to cover their latency). */
+static inline int micro_rows_of(int64_t left) {
+    const int64_t calls = (left + MR - 1) / MR;
+    return (int)((left + calls - 1) / calls);
+}
+
 /* The work of linear_packed_f32 for the threads of an enclosing parallel region (alone: one thread); x and y
  * with row strides ldx and ldy. */
 static void linear_packed_work(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
@@ -335,8 +342,8 @@ static void linear_packed_work(const float *x, int64_t ldx, const float *wp, con
             const float *panel = wp + p * K * NR, *next = p + 1 < panels ? panel + K * NR : 0;
             for (int64_t k0 = 0; k0 < K; k0 += KC) {  // a KC-deep slice of the panel stays in L1 across rows
                 int64_t kc = K - k0 < KC ? K - k0 : KC;
-                for (int64_t m = m0; m < mend; m += MR) {
-                    int mr = (int)(mend - m < MR ? mend - m : MR);
+                for (int64_t m = m0; m < mend; m += micro_rows_of(mend - m)) {
+                    int mr = micro_rows_of(mend - m);
                     MICROS[mr](x + m * ldx + k0, ldx, panel + k0 * NR, kc, y + m * ldy + p * NR, ldy, nr, b,
                                m == m0 && next ? next + k0 * NR : 0, k0 > 0);
                 }
@@ -950,8 +957,8 @@ static void linear_stored_panel_work(const float *x, int64_t ldx, const uint8_t 
                     transpose8(tmp + k, QKC, buf + k * NR, NR);
                     transpose8(tmp + 8 * QKC + k, QKC, buf + k * NR + 8, NR);
                 }
-                for (int64_t m = m0; m < mend; m += MR) {
-                    int mr = (int)(mend - m < MR ? mend - m : MR);
+                for (int64_t m = m0; m < mend; m += micro_rows_of(mend - m)) {
+                    int mr = micro_rows_of(mend - m);
                     MICROS[mr](x + m * ldx + k0, ldx, buf, kc, y + m * ldy + p * NR, ldy, nr, b, 0, k0 > 0);
                 }
             }
