@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
-_XGROUP_FLOATS = 80  # four quantized blocks of 32 activations, in floats (sizeof(xgroup) / 4 there at most)
+_XGROUP_FLOATS = 84  # four quantized blocks of 32 activations, in floats (sizeof(xgroup) / 4 there at most)
 
 
 class Unsupported(Exception):
