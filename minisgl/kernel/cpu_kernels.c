@@ -1256,6 +1256,7 @@ static void linear_q8_gemm_work(const xgroup *qx, const uint8_t *w, int type, in
                                 const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / 32, ldq = (nb + XB - 1) / XB, panels = (N + QP - 1) / QP;
     uint8_t *buf = aligned_alloc(64, (size_t)(nb * QPB));
+    if (!buf) abort();  // nb * 640 bytes (30 KB at K 1536): no result rather than a wrong one
     for (int64_t mb = 0; mb < M; mb += MB_GEMM) {
         const int64_t mend = M - mb < MB_GEMM ? M : mb + MB_GEMM;
 #pragma omp for schedule(static)
