@@ -1,8 +1,9 @@
 """Time one CPU decode step's stored-weight GEMVs, the exact dot against the int8-activation dot
 (`--stored-dot int8`), at the default model's shapes (SmolLM2-135M: 30 layers of QKV 960 x 576, O 576 x 576,
-gate|up 3072 x 576, down 576 x 1536) for 1..DOT_MAX rows of x.
+gate|up 3072 x 576, down 576 x 1536) for the rows of x given: decode batches (1-64), or a prefill's
+GEMMs (hundreds: the int8 dot's panel GEMM from 10 rows on AVX-512 VNNI).
 
-python -m minisgl.benchmark.stored_dot [--type Q4_1] [--rows 1,3,4,6] [--threads 2] [--repeat 15]
+python -m minisgl.benchmark.stored_dot [--type Q4_1] [--rows 1,3,6,16,32] [--threads 2] [--repeat 15]
 Every layer has its own weights (random blocks with small fp16 scales, 66 MB in Q4_1), so a step streams
 them from memory as a real one does; the two kernels alternate, and the median of --repeat steps is
 printed (ms a step, and the weight bytes read per second)."""
@@ -68,7 +69,7 @@ def time_step(kernel, weights, ggml_type: int, rows: int, threads: int) -> float
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0"])
-    ap.add_argument("--rows", default="1,3,4,6", help="rows of x (decode requests), comma-separated")
+    ap.add_argument("--rows", default="1,3,6,16,32", help="rows of x (decode requests), comma-separated")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args(argv)

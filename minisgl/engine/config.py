@@ -13,6 +13,7 @@ import torch
 
 from minisgl.attention import KV_CACHE_DTYPES, check_attn_name
 from minisgl.distributed import DistributedInfo
+from minisgl.kernel.stored import STORED_DOTS
 from minisgl.utils.options import OptionError, check, option
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,9 +118,10 @@ class EngineConfig:
     stored_dot: str = option(
         "exact",
         help="exact: float32 activations times each block dequantized with the reference arithmetic; "
-        "int8: in the CPU decode step (its layers and LM head), activations quantized to 8-bit blocks of "
-        "32 (llama.cpp's arithmetic) for Q4_0/Q4_1/Q8_0 weights: faster, approximate",
-        choices=["exact", "int8"],
+        "int8: for Q4_0/Q4_1/Q8_0 weights as stored, activations quantized to 8-bit blocks of 32 "
+        "(llama.cpp's arithmetic) in prefill and decode (the CPU decode step, its LM head, the layers): "
+        "faster, approximate",
+        choices=list(STORED_DOTS),
     )
     weights_format: str = option(
         "auto",

@@ -15,7 +15,7 @@ import torch
 
 from minisgl import kernel
 from minisgl.attention.cpu_backend import CpuAttnBackend
-from minisgl.kernel import StoredWeight, stored
+from minisgl.kernel import StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from minisgl.utils import init_logger
@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
-_Q8_MAX = 32  # rows of x up to which cpu_kernels.c's int8 mode runs the int8 dot (Q8_MAX there)
-_Q8_TYPES = {stored.TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q8_0")}  # the types the int8 dot reads
+_XGROUP_FLOATS = 84  # four quantized blocks of 32 activations, in floats (sizeof(xgroup) / 4 there at most)
 
 
 class Unsupported(Exception):
@@ -126,17 +125,10 @@ class CpuDecodeStep:
         dims = [len(layers), cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim, self.inter]
         model_words = [*dims, cos_sin.shape[1], cos_sin.data_ptr(), _norm_ptr(inner.norm, self._keep)]
         model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8)]
-        # int8: room for _Q8_MAX rows of the widest linear input quantized (pairs of blocks, 32 floats each)
+        # int8: room a row for the widest linear input quantized (groups of up to four blocks of 32)
         widest = max(self.hidden, self.q, self.inter)
-        self._q8_floats = _Q8_MAX * ((widest + 63) // 64) * 32 if int8 else 0
+        self._q8_row = (widest + 127) // 128 * _XGROUP_FLOATS if int8 else 0
         self._compute_logits = model.compute_logits
-        # int8: the LM head takes the int8 dot too, where it is one stored part of a type the dot reads
-        head = model.lm_head.weight
-        self._head = None
-        if int8 and isinstance(head, StoredWeight) and len(head.parts) == 1 and model.lm_head.tp_size == 1:
-            part = head.parts[0]
-            if part.ggml_type in _Q8_TYPES and part.k % 32 == 0 and part.data.stride(1) == 1:
-                self._head = part
         self.model_desc = torch.tensor(model_words, dtype=torch.int64)
         self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
         self._scratch = torch.empty(0)
@@ -163,7 +155,7 @@ class CpuDecodeStep:
         """The final hidden states [B, hidden] of a decode batch whose inputs and metadata are prepared."""
         meta = batch.attn_metadata
         B, H = batch.size, self.hidden
-        need = B * (3 * H + self.qkv + self.q + 3 * self.inter) + self._q8_floats
+        need = B * (3 * H + self.qkv + self.q + 3 * self.inter + self._q8_row)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         i64 = torch.int64
@@ -181,10 +173,6 @@ class CpuDecodeStep:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head of run's hidden states: in the int8 mode through the int8 dot (up to _Q8_MAX rows,
-        as the layers), otherwise the model's own."""
-        if self._head is None or hidden.shape[0] > _Q8_MAX:
-            return self._compute_logits(hidden)
-        y = torch.empty(hidden.shape[0], self._head.n, dtype=torch.float32)
-        cpu_kernels.linear_stored_q8(hidden, self._head.ggml_type, self._head.data, None, y)
-        return y
+        """The LM head of run's hidden states: the model's own (in the int8 mode its stored weight's dot is
+        int8 too, stored.set_dot, so a Q4_0/Q4_1/Q8_0 head takes the int8 dot as the layers do)."""
+        return self._compute_logits(hidden)

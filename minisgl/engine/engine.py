@@ -16,7 +16,7 @@ from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
 from minisgl.grammar import TokenMask, apply_token_mask
-from minisgl.kernel import StoredWeight
+from minisgl.kernel import StoredWeight, stored
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.gguf_weights import load_gguf, load_stored_safetensors
@@ -116,6 +116,8 @@ class Engine:
         self.model = self._build_model()
         self._load_weights()
         self.model.eval()
+        if config.stored_dot != "exact":  # how the stored weights' linear layers multiply (the kernels')
+            stored.set_dot(self.model, config.stored_dot)
 
         cfg = self.model_config
         attn_cfg = AttnConfig(

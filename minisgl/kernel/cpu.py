@@ -47,14 +47,17 @@ def _cpu_signature() -> str:
         return ""
 
 
-def _build() -> str | None:
+def _build(extra_flags: tuple[str, ...] = ()) -> str | None:
+    """The library's path, compiled first where this source, compiler and CPU have none yet; extra_flags
+    (after the defaults, e.g. an older -march) build a variant for the tests."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("No C compiler found: CPU kernels fall back to torch ops (slower decode attention)")
         return None
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    flags = [*_FLAGS, *extra_flags]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     out_dir = os.path.join(ENV.cache_dir, "kernels")
     path = os.path.join(out_dir, f"cpu_kernels-{key}.so")
     if os.path.exists(path):
@@ -64,7 +67,7 @@ def _build() -> str | None:
     os.close(fd)
     logger.info("Compiling CPU kernels (%s) into %s", os.path.basename(compiler), path)
     result = subprocess.run(
-        [compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False
+        [compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
         os.unlink(tmp)

@@ -810,28 +810,35 @@ static void linear_stored_dot_work(const float *x, int64_t ldx, const uint8_t *w
 }
 
 /* The dot paths' task loop (the exact one over float rows of x, the int8 one over quantized rows): GR weight
- * rows a task, three rows of x a pass (the registers hold no more; the group's blocks come from L1 after the
- * first pass), the group PF_AHEAD groups on (its rows are contiguous) prefetched while this one computes.
- * fn(type, rows, x, ld, p, K, pf, pf_len, out) dots the rows; x's rows are ld elements of elem bytes apart. */
+ * rows a task, `pass` rows of x a call of fn (as many as the registers hold; the group's blocks come from L1
+ * after the first pass), the group PF_AHEAD groups on (its rows are contiguous) prefetched while this one
+ * computes. Past MB_DOT rows of x the rows go in blocks of MB_DOT, each against every group, so a block's
+ * rows stay in L2 while the weights stream through once a block. fn(type, rows, x, ld, p, K, pf, pf_len,
+ * out) dots the rows; x's rows are ld elements of elem bytes apart. */
+#define PASS_MAX 6 /* rows of x a call of a group_fn at most */
+#define MB_DOT 128 /* rows of x a block of the dot paths */
 typedef void (*group_fn)(int type, int M, const void *x, int64_t ld, const uint8_t *const p[GR], int64_t K,
-                         const uint8_t *pf, int64_t pf_len, float out[GR][3]);
-static void dot_tasks_work(group_fn fn, const void *x, int64_t ld, size_t elem, const uint8_t *w, int type,
-                           int64_t row_bytes, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
-                           int64_t K) {
+                         const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]);
+static void dot_tasks_work(group_fn fn, int pass, const void *x, int64_t ld, size_t elem, const uint8_t *w,
+                           int type, int64_t row_bytes, const float *bias, float *y, int64_t ldy, int64_t M,
+                           int64_t N, int64_t K) {
     const int64_t groups = (N + GR - 1) / GR;
+    for (int64_t mb = 0; mb < M; mb += MB_DOT) {
+        const int64_t mend = M - mb < MB_DOT ? M : mb + MB_DOT;
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p[GR];
-        float out[GR][3];
-        int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
-        for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
-        for (int64_t m0 = 0; m0 < M; m0 += 3) {
-            int mr = (int)(M - m0 < 3 ? M - m0 : 3);
-            fn(type, mr, (const char *)x + m0 * ld * (int64_t)elem, ld, p, K, w + (g + PF_AHEAD) * GR * row_bytes,
-               m0 ? 0 : GR * row_bytes, out);
-            for (int m = 0; m < mr; m++)
-                for (int r = 0; r < nr; r++)
-                    y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *p[GR];
+            float out[GR][PASS_MAX];
+            int nr = (int)(N - g * GR < GR ? N - g * GR : GR);
+            for (int r = 0; r < GR; r++) p[r] = w + (g * GR + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+            for (int64_t m0 = mb; m0 < mend; m0 += pass) {
+                int mr = (int)(mend - m0 < pass ? mend - m0 : pass);
+                fn(type, mr, (const char *)x + m0 * ld * (int64_t)elem, ld, p, K,
+                   w + (g + PF_AHEAD) * GR * row_bytes, m0 > mb ? 0 : GR * row_bytes, out);
+                for (int m = 0; m < mr; m++)
+                    for (int r = 0; r < nr; r++)
+                        y[(m0 + m) * ldy + g * GR + r] = out[r][m] + (bias ? bias[g * GR + r] : 0.0f);
+            }
         }
     }
 }
@@ -845,7 +852,7 @@ static void dot_tasks_work(group_fn fn, const void *x, int64_t ld, size_t elem, 
 static inline __attribute__((always_inline)) void dot_group(const int type, const int M, const float *x,
                                                             int64_t ldx, const uint8_t *const p[GR], int wtype,
                                                             int64_t K, const uint8_t *pf, int64_t pf_len,
-                                                            float out[GR][3]) {
+                                                            float out[GR][PASS_MAX]) {
     vf acc[GR][3][2];
     float buf[GR * QKC] __attribute__((aligned(32)));
     for (int r = 0; r < GR; r++)
@@ -886,7 +893,7 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
 
 #define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
 static void dot_group_any(int type, int M, const float *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
-                          const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+                          const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
     int fused = type == GT_Q4_0 ? 1 : type == GT_Q4_1 ? 2 : type == GT_Q8_0 ? 3 : 0;
     switch (fused * 4 + M) {
     case 5: DOT_CASE(GT_Q4_0, 1); break;
@@ -905,7 +912,7 @@ static void dot_group_any(int type, int M, const float *x, int64_t ldx, const ui
 }
 
 static void dot_group_fn(int type, int M, const void *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
-                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+                         const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
     dot_group_any(type, M, (const float *)x, ldx, p, K, pf, pf_len, out);
 }
 
@@ -913,7 +920,7 @@ static void dot_group_fn(int type, int M, const void *x, int64_t ldx, const uint
 static void linear_stored_dot_avx2_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                         const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
                                         int64_t K) {
-    dot_tasks_work(dot_group_fn, x, ldx, sizeof(float), w, type, row_bytes, bias, y, ldy, M, N, K);
+    dot_tasks_work(dot_group_fn, 3, x, ldx, sizeof(float), w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
 /* dst [8][ldd] = src [8][lds] transposed. */
@@ -997,18 +1004,46 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
  * minimum), the terms summed in float32. Approximate (the activations lose bits, ~0.5% relative error a
  * GEMV on random data), and for Q4_1 about half the time a block of dequantizing it to float32. */
 
-/* Two consecutive blocks of 32 quantized activations, laid out for the AVX2 dot: lo holds elements 0..15
- * of the first block then of the second, hi their elements 16..31 (the low and high nibbles of a Q4
- * block, so two weight blocks' nibbles load as one 256-bit pair); d and s4 hold each block's d and s / 4
- * (exact: a power of two) four times each. A row of K has (K / 32 + 1) / 2 pairs; an odd last block
- * leaves the second half zero. */
-typedef struct {
-    float d[8], s4[8];
-    int8_t lo[32], hi[32];
-} xpair;
+/* The integer block sums: VNNI's dpbusd (u8 x s8, four products into each int32 lane, no 16-bit
+ * saturation) where the compiler targets it, 512 bits wide with AVX-512 (four blocks a vector) or 256
+ * (AVX-VNNI: two); AVX2's maddubs/madd otherwise (two blocks); scalar without AVX2. All give the same
+ * integer sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAVE_VNNI512 1
+#define HAVE_VNNI 1
+#elif defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define HAVE_VNNI512 0
+#define HAVE_VNNI 1
+#if defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
+#else
+#define HAVE_VNNI512 0
+#define HAVE_VNNI 0
+#endif
+#define XB (HAVE_VNNI512 ? 4 : 2) /* blocks of 32 activations a group (one vector of the dot) */
+/* rows of x a q8_group call: with VNNI's shorter sums the accumulators of 4 x 4 still fit the registers */
+#ifndef Q8_PASS
+#define Q8_PASS (HAVE_VNNI ? 4 : 3)
+#endif
 
-/* Block x [32] quantized into half h of pair p (the scalar and AVX2 versions give the same bytes). */
-static inline void quant_block(const float *x, xpair *p, int h) {
+/* XB consecutive blocks of 32 quantized activations, laid out for the vector dot: lo holds elements 0..15
+ * of each block in turn, hi their elements 16..31 (the low and high nibbles of a Q4 block, so XB weight
+ * blocks' nibbles load as one vector); d and s4 hold each block's d and s / 4 (exact: a power of two)
+ * four times each. n8 [l] is -8 times the quants that 32-bit lane l of the integer sum covers (lo and hi
+ * bytes 4l..4l+3): the VNNI dot multiplies unsigned weights (Q4 nibbles as stored, Q8_0's plus 128) and
+ * takes that offset's share off exactly; n8b [h] is block h's whole share (the panel GEMM's). A row of K
+ * has (K / 32 + XB - 1) / XB groups; blocks past K are zero (d = 0). 84 XB bytes (21 XB floats) a group. */
+typedef struct {
+    float d[4 * XB], s4[4 * XB];
+    int32_t n8[4 * XB], n8b[XB];
+    int8_t lo[16 * XB], hi[16 * XB];
+} xgroup;
+
+/* Block x [32] quantized into block h of group p (the scalar and AVX2 versions give the same bytes). */
+static inline void quant_block(const float *x, xgroup *p, int h) {
     float d;
     int sum;
 #if HAVE_AVX2
@@ -1054,48 +1089,275 @@ static inline void quant_block(const float *x, xpair *p, int h) {
     }
 #endif
     const float s4 = d * (float)sum * 0.25f;
-    for (int i = 0; i < 4; i++) p->d[4 * h + i] = d, p->s4[4 * h + i] = s4;
+    for (int i = 0; i < 4; i++) {
+        const int8_t *lo = p->lo + 16 * h + 4 * i, *hi = p->hi + 16 * h + 4 * i;
+        p->d[4 * h + i] = d, p->s4[4 * h + i] = s4;
+        p->n8[4 * h + i] = -8 * (lo[0] + lo[1] + lo[2] + lo[3] + hi[0] + hi[1] + hi[2] + hi[3]);
+    }
+    p->n8b[h] = -8 * sum;
 }
 
-/* qx [M][(K / 32 + 1) / 2] = the rows of x quantized, shared by the threads of an enclosing region (the
- * loop's end is their barrier). */
-static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, xpair *qx) {
-    const int64_t nb = K / 32, np = (nb + 1) / 2;
+/* qx [M][(K / 32 + XB - 1) / XB] = the rows of x quantized, shared by the threads of an enclosing region
+ * (the loop's end is their barrier). */
+static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, xgroup *qx) {
+    const int64_t nb = K / 32, ng = (nb + XB - 1) / XB;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * np; i++) {
-        const float *xr = x + i / np * ldx + i % np * 64;
-        quant_block(xr, qx + i, 0);
-        if (i % np * 2 + 1 < nb) {
-            quant_block(xr + 32, qx + i, 1);
-        } else {  // the odd last block: a zero half (d = 0) that adds nothing
-            memset(qx[i].lo + 16, 0, 16), memset(qx[i].hi + 16, 0, 16);
-            for (int j = 4; j < 8; j++) qx[i].d[j] = qx[i].s4[j] = 0.0f;
+    for (int64_t i = 0; i < M * ng; i++) {
+        const float *xr = x + i / ng * ldx + i % ng * 32 * XB;
+        for (int h = 0; h < XB; h++) {
+            if (i % ng * XB + h < nb) {
+                quant_block(xr + 32 * h, qx + i, h);
+            } else {  // past the last block: zero quants (d = 0) that add nothing
+                memset(qx[i].lo + 16 * h, 0, 16), memset(qx[i].hi + 16 * h, 0, 16);
+                for (int j = 4 * h; j < 4 * h + 4; j++) qx[i].d[j] = qx[i].s4[j] = 0.0f, qx[i].n8[j] = 0;
+                qx[i].n8b[h] = 0;
+            }
         }
     }
 }
 
 static inline int q8_type(int type) { return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0; }
 
-#if HAVE_AVX2
+#if HAVE_VNNI512
+/* Four weight blocks (at s + o[0..3]) as the 512-bit dot reads them: their quants, unsigned (Q4 nibbles as
+ * stored, Q8_0's plus 128: the xgroup's n8 takes the offset off), as [elements 0..15 of each | ...] in wl
+ * and [16..31 of each] in wh, and their fp16 scales d (and Q4_1's m) as floats, each block's in four lanes. */
+static inline __attribute__((always_inline)) void q8_wquad(const int type, const uint8_t *s, const int64_t o[4],
+                                                           __m512i *wl, __m512i *wh, __m512 *dw, __m512 *mw) {
+#define LD(i, off) _mm_loadu_si128((const __m128i *)(s + o[i] + (off)))
+#define LOAD4(off)                                                                                          \
+    _mm512_inserti32x4(                                                                                     \
+        _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(LD(0, off)), LD(1, off), 1), LD(2, off), 2), \
+        LD(3, off), 3)
+    if (type == GT_Q8_0) {
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        *wl = _mm512_xor_si512(LOAD4(2), bias);
+        *wh = _mm512_xor_si512(LOAD4(18), bias);
+    } else {
+        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        __m512i v = LOAD4(type == GT_Q4_1 ? 4 : 2);
+        *wl = _mm512_and_si512(v, m4);
+        *wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+#undef LOAD4
+#undef LD
+    if (type == GT_Q4_1) {  // [d0 m0 d1 m1 ...] -> d0 x4 d1 x4 ..., m0 x4 m1 x4 ...
+        __m128i h = _mm_setr_epi32(*(const int32_t *)(s + o[0]), *(const int32_t *)(s + o[1]),
+                                   *(const int32_t *)(s + o[2]), *(const int32_t *)(s + o[3]));
+        __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+        *dw = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), f);
+        *mw = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7), f);
+    } else {  // [d0 d1 d2 d3] -> d0 x4 d1 x4 ...
+        __m128i h = _mm_setr_epi16((short)rd16(s + o[0]), (short)rd16(s + o[1]), (short)rd16(s + o[2]),
+                                   (short)rd16(s + o[3]), 0, 0, 0, 0);
+        __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+        *dw = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), f);
+    }
+}
+
+/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..Q8_PASS rows, ldq groups
+ * apart), four blocks a vector: each weight quad unpacked once (q8_wquad) for all M rows, its integer sums
+ * by two dpbusd (started from the offset's share), times [d_w d_x of each block] into a float accumulator
+ * (Q4_1's m_w s_x too, a quarter in each of its block's lanes). pf: as in dot_group. */
+static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xgroup *qx,
+                                                           int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                                                           const uint8_t *pf, int64_t pf_len,
+                                                           float out[GR][PASS_MAX]) {
+    __m512 acc[GR][Q8_PASS];
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    const int64_t bb = block_bytes(type), nb = K / 32, ng = (nb + 3) / 4, chunks = (ng + 1) / 2;
+    const int64_t pf_step = (pf_len + chunks - 1) / chunks;
+    for (int64_t j = 0; j < ng; j++) {
+        if (j % 2 == 0)  // a slice of the prefetch every 2 quads (dot_group's chunk of 256)
+            for (int64_t line = j / 2 * pf_step; line < (j / 2 + 1) * pf_step && line < pf_len; line += 64)
+                _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+        int64_t o[4];  // past the last block: the last again (its activations are zero)
+        for (int i = 0; i < 4; i++) o[i] = (4 * j + i < nb ? 4 * j + i : nb - 1) * bb;
+#pragma GCC unroll 4
+        for (int r = 0; r < GR; r++) {
+            __m512i wl, wh;
+            __m512 dw, mw = _mm512_setzero_ps();
+            q8_wquad(type, p[r], o, &wl, &wh, &dw, &mw);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; m++) {
+                const xgroup *xq = qx + m * ldq + j;
+                __m512i s = _mm512_setzero_si512();
+                if (type == GT_Q4_0) s = _mm512_loadu_si512(xq->n8);
+                if (type == GT_Q8_0) s = _mm512_slli_epi32(_mm512_loadu_si512(xq->n8), 4);
+                s = _mm512_dpbusd_epi32(s, wl, _mm512_loadu_si512(xq->lo));
+                s = _mm512_dpbusd_epi32(s, wh, _mm512_loadu_si512(xq->hi));
+                __m512 dd = _mm512_mul_ps(dw, _mm512_loadu_ps(xq->d));
+                __m512 a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s), acc[r][m]);
+                if (type == GT_Q4_1) a = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xq->s4), a);
+                acc[r][m] = a;
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {  // the four rows' sums at once (a transpose as it adds; GR is 4)
+        __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(acc[0][m], acc[1][m]), _mm512_unpackhi_ps(acc[0][m], acc[1][m]));
+        __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(acc[2][m], acc[3][m]), _mm512_unpackhi_ps(acc[2][m], acc[3][m]));
+        __m512 u = _mm512_add_ps(_mm512_shuffle_ps(s, t, 0x44), _mm512_shuffle_ps(s, t, 0xee));  // [r0 r1 r2 r3] x4
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), hi);
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        float v[4];
+        _mm_storeu_ps(v, q);
+        for (int r = 0; r < GR; r++) out[r][m] = v[r];
+    }
+}
+
+/* ---- the int8 GEMM (many rows of x, AVX-512 VNNI): a weight panel repacked, rows of x broadcast --------
+ * q8_group spends three float operations (convert, scale, add) on every pair of dpbusd, for each weight row
+ * and row of x. Here one int32 lane is one weight row: QP rows' quants are repacked once per block of rows
+ * of x so that vector k of a block holds each row's elements 4k..4k+3 (unsigned, as q8_wquad makes them),
+ * and each row of x broadcasts its matching four quants: eight dpbusd give QP rows' whole block sums, then
+ * one convert and two multiply-adds scale them, 16 rows at a time. */
+#define QP 16                 /* weight rows a panel (one int32 lane each) */
+#define Q8_MR 8               /* rows of x a micro-kernel call (its accumulators: 2 Q8_MR vectors) */
+#define QPB (8 * 64 + 2 * 64) /* bytes a block of a panel: eight vectors of quants, d and 4 m (Q4_1) */
+#ifndef Q8_GEMM_MIN
+#define Q8_GEMM_MIN 10 /* rows of x from which the GEMM beats q8_group (its repacking pays): one thread, Q4_1,
+                          the stored_dot shapes: 8 rows 13.5 against 15.1 ms, 12 rows 19.8 against 17.4 */
+#endif
+#define MB_GEMM 256 /* rows of x a block (their quantized rows stay in L2: 84 bytes a block of 32) */
+
+/* The panel of weight rows p[0..QP) (all K / 32 blocks) into buf (nb QPB-byte blocks). */
+static void q8_repack(const int type, const uint8_t *const p[QP], int64_t nb, uint8_t *buf) {
+    const __m512i idx = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+    const int64_t bb = block_bytes(type), qo = type == GT_Q4_1 ? 4 : 2;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t t[QP][32] __attribute__((aligned(64)));  // each row's 32 quants in element order
+        float *dw = (float *)(buf + b * QPB + 512), *mw = dw + 16;
+        for (int r = 0; r < QP; r++) {
+            const uint8_t *src = p[r] + b * bb;
+            if (type == GT_Q8_0) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 2));
+                _mm256_store_si256((__m256i *)t[r], _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+            } else {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(src + qo)), m4 = _mm_set1_epi8(0x0f);
+                _mm_store_si128((__m128i *)t[r], _mm_and_si128(v, m4));
+                _mm_store_si128((__m128i *)(t[r] + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            }
+            dw[r] = fp16_to_f32(rd16(src));
+            mw[r] = type == GT_Q4_1 ? fp16_to_f32(rd16(src + 2)) * 4.0f : 0.0f;  // x holds s / 4
+        }
+        for (int k = 0; k < 8; k++)  // vector k: dword k of each row
+            _mm512_store_si512(buf + b * QPB + 64 * k,
+                               _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(k)), t, 4));
+    }
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* y [M, nr] (+ bias) = M (1..Q8_MR) quantized rows of x, ldq groups apart, times the repacked panel (nb
+ * blocks): per block the rows' integer sums start from the offset's share (Q4_0: n8b, Q8_0: 16 n8b) and
+ * are scaled by d_w d_x (and Q4_1's m_w s_x added) into one float vector a row of x. */
+static inline __attribute__((always_inline)) void q8_panel(const int type, const int M, const xgroup *qx,
+                                                           int64_t ldq, const uint8_t *buf, int64_t nb,
+                                                           const float *bias, float *y, int64_t ldy, int nr) {
+    __m512 acc[Q8_MR];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = buf + b * QPB;
+        const int64_t g = b / XB, h = b % XB;
+        __m512i s[Q8_MR];
+        for (int m = 0; m < M; m++) {
+            const int32_t n = qx[m * ldq + g].n8b[h];
+            s[m] = _mm512_set1_epi32(type == GT_Q4_0 ? n : type == GT_Q8_0 ? 16 * n : 0);
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const __m512i w = _mm512_load_si512(pb + 64 * k);
+            const int64_t off = (k < 4 ? 0 : 16 * XB) + 16 * h + 4 * (k % 4);  // lo, then hi
+            for (int m = 0; m < M; m++) s[m] = _mm512_dpbusd_epi32(s[m], w, bcast4(qx[m * ldq + g].lo + off));
+        }
+        const __m512 dw = _mm512_load_ps(pb + 512), mw = _mm512_load_ps(pb + 576);
+        for (int m = 0; m < M; m++) {
+            const xgroup *xq = qx + m * ldq + g;
+            const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[4 * h]));
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), dd, acc[m]);
+            if (type == GT_Q4_1) a = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq->s4[4 * h]), a);
+            acc[m] = a;
+        }
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias) : _mm512_setzero_ps();
+    for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * ldy, k, _mm512_add_ps(acc[m], bv));
+}
+
+#define Q8P_CASE(T, MM) q8_panel(T, MM, qx, ldq, buf, nb, bias, y, ldy, nr)
+#define Q8P_CASES(T, base)                                                                                  \
+    case base + 1: Q8P_CASE(T, 1); break;                                                                   \
+    case base + 2: Q8P_CASE(T, 2); break;                                                                   \
+    case base + 3: Q8P_CASE(T, 3); break;                                                                   \
+    case base + 4: Q8P_CASE(T, 4); break;                                                                   \
+    case base + 5: Q8P_CASE(T, 5); break;                                                                   \
+    case base + 6: Q8P_CASE(T, 6); break;                                                                   \
+    case base + 7: Q8P_CASE(T, 7); break;                                                                   \
+    case base + 8: Q8P_CASE(T, 8); break;
+static void q8_panel_any(int type, int M, const xgroup *qx, int64_t ldq, const uint8_t *buf, int64_t nb,
+                         const float *bias, float *y, int64_t ldy, int nr) {
+    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 16 + M) {
+        Q8P_CASES(GT_Q4_0, 0)
+        Q8P_CASES(GT_Q4_1, 16)
+        Q8P_CASES(GT_Q8_0, 32)
+    }
+}
+
+/* linear_q8_work for many rows: rows of x in blocks of MB_GEMM; each thread repacks a panel of QP weight
+ * rows into its own buffer (nb QPB bytes) once per block and runs every Q8_MR rows of the block through it. */
+static void linear_q8_gemm_work(const xgroup *qx, const uint8_t *w, int type, int64_t row_bytes,
+                                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, ldq = (nb + XB - 1) / XB, panels = (N + QP - 1) / QP;
+    uint8_t *buf = aligned_alloc(64, (size_t)(nb * QPB));
+    if (!buf) abort();  // nb * 640 bytes (30 KB at K 1536): no result rather than a wrong one
+    for (int64_t mb = 0; mb < M; mb += MB_GEMM) {
+        const int64_t mend = M - mb < MB_GEMM ? M : mb + MB_GEMM;
+#pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < panels; pn++) {
+            const uint8_t *p[QP];
+            const int nr = (int)(N - pn * QP < QP ? N - pn * QP : QP);
+            for (int r = 0; r < QP; r++) p[r] = w + (pn * QP + (r < nr ? r : 0)) * row_bytes;  // tail: row 0 again
+            q8_repack(type, p, nb, buf);
+            for (int64_t m0 = mb; m0 < mend; m0 += Q8_MR) {
+                int mr = (int)(mend - m0 < Q8_MR ? mend - m0 : Q8_MR);
+                q8_panel_any(type, mr, qx + m0 * ldq, ldq, buf, nb, bias ? bias + pn * QP : 0, y + m0 * ldy + pn * QP,
+                             ldy, nr);
+            }
+        }
+    }
+    free(buf);
+}
+#elif HAVE_AVX2
 static inline __m256i load2x128(const uint8_t *lo, const uint8_t *hi) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
                                    _mm_loadu_si128((const __m128i *)hi), 1);
 }
 
 /* Two weight blocks (s0, s1) as the dot reads them: their quants as [elements 0..15 of both | 16..31 of both]
- * in wl / wh (one load for two Q4 blocks' nibbles; Q4_0's minus 8), and their fp16 scales d (and Q4_1's
- * m) as floats, each block's in four lanes. */
+ * in wl / wh (one load for two Q4 blocks' nibbles), and their fp16 scales d (and Q4_1's m) as floats, each
+ * block's in four lanes. The quants are unsigned for VNNI (Q4 nibbles as stored, Q8_0's plus 128: the
+ * xgroup's n8 removes the offset), signed for AVX2 (Q4_0's nibbles minus 8). */
 static inline __attribute__((always_inline)) void q8_wpair(const int type, const uint8_t *s0, const uint8_t *s1,
                                                            __m256i *wl, __m256i *wh, __m256 *dw, __m256 *mw) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     if (type == GT_Q8_0) {
         *wl = load2x128(s0 + 2, s1 + 2);
         *wh = load2x128(s0 + 18, s1 + 18);
+        if (HAVE_VNNI) {
+            const __m256i bias = _mm256_set1_epi8((char)0x80);
+            *wl = _mm256_xor_si256(*wl, bias), *wh = _mm256_xor_si256(*wh, bias);
+        }
     } else {
         __m256i v = load2x128(s0 + (type == GT_Q4_1 ? 4 : 2), s1 + (type == GT_Q4_1 ? 4 : 2));
         *wl = _mm256_and_si256(v, m4);
         *wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        if (type == GT_Q4_0) {
+        if (type == GT_Q4_0 && !HAVE_VNNI) {
             const __m256i eight = _mm256_set1_epi8(8);
             *wl = _mm256_sub_epi8(*wl, eight), *wh = _mm256_sub_epi8(*wh, eight);
         }
@@ -1112,16 +1374,37 @@ static inline __attribute__((always_inline)) void q8_wpair(const int type, const
     }
 }
 
-/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..3 rows, ldq pairs apart),
- * two blocks at a time (q8_wpair): integer sums by maddubs (unsigned x signed; signed weights through the
- * sign trick) and madd, lanes 0-3 the first block's and 4-7 the second's, times [d_w d_x of each] into a
- * float accumulator. pf: as in dot_group. */
-static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xpair *qx,
+/* The integer sums of two blocks (lanes 0-3 the first's, 4-7 the second's) of the weight quants wl / wh
+ * (q8_wpair; al / ah their absolute values on AVX2) with the quantized x pair xp. */
+static inline __attribute__((always_inline)) __m256i q8_isum(const int type, __m256i wl, __m256i wh, __m256i al,
+                                                             __m256i ah, const xgroup *xp) {
+    __m256i xl = _mm256_loadu_si256((const __m256i *)xp->lo);
+    __m256i xh = _mm256_loadu_si256((const __m256i *)xp->hi);
+#if HAVE_VNNI
+    (void)al, (void)ah;
+    __m256i s = _mm256_setzero_si256();  // the offset's share: 8 (Q4_0) or 128 (Q8_0) times x's quants
+    if (type == GT_Q4_0) s = _mm256_loadu_si256((const __m256i *)xp->n8);
+    if (type == GT_Q8_0) s = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)xp->n8), 4);
+    return DPBUSD(DPBUSD(s, wl, xl), wh, xh);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type != GT_Q4_1) xl = _mm256_sign_epi8(xl, wl), xh = _mm256_sign_epi8(xh, wh);
+    if (type == GT_Q8_0)  // pairs of 128 x 127: no room to add two in 16 bits
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, xl), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, xh), ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(al, xl), _mm256_maddubs_epi16(ah, xh)), ones);
+#endif
+}
+
+/* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..Q8_PASS rows, ldq pairs
+ * apart), two blocks at a time (q8_wpair: each weight pair unpacked once for all M rows): the integer sums
+ * (q8_isum; on AVX2 the signed weights through the sign trick) times [d_w d_x of each] into a float
+ * accumulator. pf: as in dot_group. */
+static inline __attribute__((always_inline)) void q8_group(const int type, const int M, const xgroup *qx,
                                                            int64_t ldq, const uint8_t *const p[GR], int64_t K,
                                                            const uint8_t *pf, int64_t pf_len,
-                                                           float out[GR][3]) {
-    __m256 acc[GR][3];
-    const __m256i ones = _mm256_set1_epi16(1);
+                                                           float out[GR][PASS_MAX]) {
+    __m256 acc[GR][Q8_PASS];
     for (int r = 0; r < GR; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
     const int64_t bb = block_bytes(type), nb = K / 32, np = (nb + 1) / 2, chunks = (np + 3) / 4;
@@ -1137,20 +1420,11 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
             __m256 dw, mw = _mm256_setzero_ps();
             q8_wpair(type, p[r] + o0, p[r] + o1, &wl, &wh, &dw, &mw);
             __m256i al = wl, ah = wh;
-            if (type != GT_Q4_1) al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
-#pragma GCC unroll 3
+            if (!HAVE_VNNI && type != GT_Q4_1) al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
+#pragma GCC unroll 4
             for (int m = 0; m < M; m++) {
-                const xpair *xp = qx + m * ldq + j;
-                __m256i xl = _mm256_loadu_si256((const __m256i *)xp->lo);
-                __m256i xh = _mm256_loadu_si256((const __m256i *)xp->hi);
-                if (type != GT_Q4_1) xl = _mm256_sign_epi8(xl, wl), xh = _mm256_sign_epi8(xh, wh);
-                __m256i s;
-                if (type == GT_Q8_0)  // pairs of 128 x 127: no room to add two in 16 bits
-                    s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, xl), ones),
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(ah, xh), ones));
-                else
-                    s = _mm256_madd_epi16(
-                        _mm256_add_epi16(_mm256_maddubs_epi16(al, xl), _mm256_maddubs_epi16(ah, xh)), ones);
+                const xgroup *xp = qx + m * ldq + j;
+                __m256i s = q8_isum(type, wl, wh, al, ah, xp);
                 __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(xp->d));
                 __m256 a = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc[r][m]);
                 // Q4_1's m_w s_x, a quarter in each of its block's four lanes: the lanes' sum adds it once
@@ -1163,25 +1437,29 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
         for (int m = 0; m < M; m++) out[r][m] = hsum8(acc[r][m]);
 }
 
+#endif
+
+#if HAVE_AVX2
 #define Q8_CASE(T, MM) q8_group(T, MM, qx, ldq, p, K, pf, pf_len, out)
-static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
-                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
-    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 4 + M) {
-    case 1: Q8_CASE(GT_Q4_0, 1); break;
-    case 2: Q8_CASE(GT_Q4_0, 2); break;
-    case 3: Q8_CASE(GT_Q4_0, 3); break;
-    case 5: Q8_CASE(GT_Q4_1, 1); break;
-    case 6: Q8_CASE(GT_Q4_1, 2); break;
-    case 7: Q8_CASE(GT_Q4_1, 3); break;
-    case 9: Q8_CASE(GT_Q8_0, 1); break;
-    case 10: Q8_CASE(GT_Q8_0, 2); break;
-    default: Q8_CASE(GT_Q8_0, 3); break;
+#define Q8_CASES(T, base)                                                                                   \
+    case base + 1: Q8_CASE(T, 1); break;                                                                    \
+    case base + 2: Q8_CASE(T, 2); break;                                                                    \
+    case base + 3: Q8_CASE(T, 3); break;                                                                    \
+    case base + 4: Q8_CASE(T, Q8_PASS < 4 ? Q8_PASS : 4); break;                                           \
+    case base + 5: Q8_CASE(T, Q8_PASS < 5 ? Q8_PASS : 5); break;                                           \
+    case base + 6: Q8_CASE(T, Q8_PASS < 6 ? Q8_PASS : 6); break;
+static void q8_group_any(int type, int M, const xgroup *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
+    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 8 + M) {
+        Q8_CASES(GT_Q4_0, 0)
+        Q8_CASES(GT_Q4_1, 8)
+        Q8_CASES(GT_Q8_0, 16)
     }
 }
 #else
 /* The scalar q8_group: the same integer sums and float terms, summed in block order. */
-static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
-                         const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
+static void q8_group_any(int type, int M, const xgroup *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
+                         const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
     (void)pf, (void)pf_len;
     const int64_t bb = block_bytes(type);
     for (int r = 0; r < GR; r++)
@@ -1189,8 +1467,8 @@ static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const ui
             float acc = 0.0f;
             for (int64_t b = 0; b < K / 32; b++) {
                 const uint8_t *src = p[r] + b * bb;
-                const xpair *xp = qx + m * ldq + b / 2;
-                const int h = (int)(b % 2);
+                const xgroup *xp = qx + m * ldq + b / XB;
+                const int h = (int)(b % XB);
                 int s = 0;
                 for (int j = 0; j < 32; j++) {
                     int w = type == GT_Q8_0 ? ((const int8_t *)src)[2 + j]
@@ -1206,15 +1484,23 @@ static void q8_group_any(int type, int M, const xpair *qx, int64_t ldq, const ui
 #endif
 
 static void q8_group_fn(int type, int M, const void *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
-                        const uint8_t *pf, int64_t pf_len, float out[GR][3]) {
-    q8_group_any(type, M, (const xpair *)qx, ldq, p, K, pf, pf_len, out);
+                        const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
+    q8_group_any(type, M, (const xgroup *)qx, ldq, p, K, pf, pf_len, out);
 }
 
 /* y [M, N] = the quantized x (quant_rows_work) times the stored W [N, K] (Q4_0/Q4_1/Q8_0), transposed
- * (+ bias); for the threads of an enclosing region. */
-static void linear_q8_work(const xpair *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
+ * (+ bias); for the threads of an enclosing region. Any M: a tile of GR weight rows by Q8_PASS rows of x
+ * a call, the rows in blocks of MB_DOT (dot_tasks_work). */
+static void linear_q8_work(const xgroup *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    dot_tasks_work(q8_group_fn, qx, (K / 32 + 1) / 2, sizeof(xpair), w, type, row_bytes, bias, y, ldy, M, N, K);
+#if HAVE_VNNI512
+    if (M >= Q8_GEMM_MIN) {
+        linear_q8_gemm_work(qx, w, type, row_bytes, bias, y, ldy, M, N, K);
+        return;
+    }
+#endif
+    dot_tasks_work(q8_group_fn, Q8_PASS, qx, (K / 32 + XB - 1) / XB, sizeof(xgroup), w, type, row_bytes, bias, y, ldy,
+                   M, N, K);
 }
 
 /* linear_stored with x quantized to int8 blocks first (llama.cpp's arithmetic, approximate): for Q4_0, Q4_1
@@ -1222,7 +1508,7 @@ static void linear_q8_work(const xpair *qx, const uint8_t *w, int type, int64_t 
 int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                      const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (!q8_type(type) || K % 32) return -1;
-    xpair *qx = malloc((size_t)(M * ((K / 32 + 1) / 2) + 1) * sizeof(xpair));
+    xgroup *qx = malloc((size_t)(M * ((K / 32 + XB - 1) / XB) + 1) * sizeof(xgroup));
     if (!qx) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1244,20 +1530,14 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
 #define LIN_WORDS 17
 #define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
 #define MODEL_WORDS 16
-#ifndef Q8_MAX
-#define Q8_MAX 32 /* rows of x up to which the step's int8 mode runs the int8 dot (faster than the exact
-                     kernels at every count measured, 1-32: 81 against 71 ms a step's GEMVs at 32 rows) */
-#endif
-
-/* qx (not NULL: int8 mode, room for Q8_MAX quantized rows of K): with at most Q8_MAX rows and K a
- * multiple of 32, x is quantized once and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every
- * part without qx) the exact kernels. */
+/* qx (not NULL: int8 mode, room for M quantized rows of K): with K a multiple of 32, x is quantized once
+ * and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
-                    int64_t K, xpair *qx) {
+                    int64_t K, xgroup *qx) {
     const float *bias = (const float *)d[1];
     int q8 = 0;
     for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_type((int)d[3 + 5 * i]);
-    q8 = q8 && qx && M <= Q8_MAX && K % 32 == 0;
+    q8 = q8 && qx && K % 32 == 0;
     if (q8) quant_rows_work(x, ldx, M, K, qx);
     int64_t off = 0;
     for (int i = 0; i < d[0]; i++) {
@@ -1288,8 +1568,8 @@ static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *q
  * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
  * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run). For B
  * decode tokens: ids, positions, KV slots, page-table rows and key counts (int64); scratch holds
- * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode Q8_MAX x ceil(max(H, Hq D, I) / 64) xpairs (32
- * floats each); out [B, H] gets the final norm's output. */
+ * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode B x ceil(max(H, Hq D, I) / 128) x 84 floats
+ * (room for the quantized rows: xgroup); out [B, H] gets the final norm's output. */
 void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids, const int64_t *pos,
                      const int64_t *loc, const int64_t *rows, const int64_t *lens, int64_t B, float *scratch,
                      float *out, float eps, float scale, int num_threads) {
@@ -1299,7 +1579,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
     const int64_t QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     float *x = scratch, *res = x + B * H, *nrm = res + B * H, *qkv = nrm + B * H, *att = qkv + B * QKV;
     float *gu = att + B * Hq * D, *act = gu + B * 2 * I;
-    xpair *qx = m[15] ? (xpair *)(act + B * I) : 0;  // int8 mode: the quantized rows after act
+    xgroup *qx = m[15] ? (xgroup *)(act + B * I) : 0;  // int8 mode: the quantized rows after act
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)

@@ -26,6 +26,8 @@ STORED_TYPES: dict[int, tuple[str, int, int]] = {
     30: ("BF16", 1, 2),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in STORED_TYPES.items()}
+INT8_DOT_TYPES = frozenset(TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q8_0"))  # what the int8 dot reads
+STORED_DOTS = ("exact", "int8")  # StoredWeight.dot, set from EngineConfig.stored_dot
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -50,11 +52,17 @@ class StoredPart:
 
 class StoredWeight:
     """A weight matrix [N, K] held as stored: one part, or several stacked along N (a merged QKV whose
-    parts differ in type); used in place of a float Parameter by the linear and embedding layers."""
+    parts differ in type); used in place of a float Parameter by the linear and embedding layers.
+
+    `dot` is how `linear` multiplies it: "exact" (the default) dequantizes each block with the reference
+    arithmetic; "int8" (the engine's --stored-dot int8) quantizes the activations to int8 blocks of 32 for
+    the Q4_0/Q4_1/Q8_0 parts where K is a multiple of 32 (llama.cpp's arithmetic, approximate); the other
+    parts stay exact."""
 
     def __init__(self, parts: list[StoredPart]) -> None:
         assert parts and all(p.k == parts[0].k for p in parts)
         self.parts = parts
+        self.dot = "exact"
         self.shape = torch.Size([sum(p.n for p in parts), parts[0].k])
         self.dtype = torch.float32  # what it computes in
         self.device = torch.device("cpu")
@@ -90,15 +98,33 @@ def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
+    int8 = w.dot == "int8" and x2.shape[1] % 32 == 0
     if len(w.parts) == 1:
-        cpu.linear_stored(x2, w.parts[0].ggml_type, w.parts[0].data, bias, y)
+        p = w.parts[0]
+        fn = cpu.linear_stored_q8 if int8 and p.ggml_type in INT8_DOT_TYPES else cpu.linear_stored
+        fn(x2, p.ggml_type, p.data, bias, y)
         return y.view(*x.shape[:-1], w.shape[0])
     off = 0
     for p in w.parts:
         b = None if bias is None else bias[off : off + p.n].contiguous()
-        cpu.linear_stored(x2, p.ggml_type, p.data, b, y[:, off : off + p.n])
+        fn = cpu.linear_stored_q8 if int8 and p.ggml_type in INT8_DOT_TYPES else cpu.linear_stored
+        fn(x2, p.ggml_type, p.data, b, y[:, off : off + p.n])
         off += p.n
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def set_dot(model: torch.nn.Module, dot: str) -> int:
+    """Every StoredWeight of the model multiplies by `dot` (STORED_DOTS) from now on; returns how many
+    weights that is (a tied embedding and LM head count once)."""
+    if dot not in STORED_DOTS:
+        raise ValueError(f"stored dot {dot!r} is not one of {STORED_DOTS}")
+    seen: set[int] = set()
+    for module in model.modules():
+        w = module.__dict__.get("weight")
+        if isinstance(w, StoredWeight) and id(w) not in seen:
+            seen.add(id(w))
+            w.dot = dot
+    return len(seen)
 
 
 def embedding(ids: torch.Tensor, w: StoredWeight) -> torch.Tensor:
