@@ -57,8 +57,9 @@ def test_embedding_rows_are_the_reference_dequantization(name):
 
 @needs_kernels
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-# 1-6 rows: the dot path (3 rows of x at a time), 7+: the panel path
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9])
+# 1-6 rows: the dot path (3 rows of x at a time), 7+: the panel path; on AVX-512, 12+: x's rows in the
+# lanes, in blocks of 16 (a partial block at 33) and 8 blocks at a time (129: a ninth)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 33, 129])
 @pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
 def test_linear_equals_reference_matmul(name, rows, n):
     k = 768 if name in ("Q4_K", "Q6_K") else 352  # 352: a last K chunk shorter than 256
@@ -85,6 +86,7 @@ def test_merged_parts_of_different_types_and_strided_rows():
         for i, (name, n) in enumerate([("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 8)])
     ]
     w = stored.StoredWeight(parts)
-    x = torch.randn(3, 2 * k)[:, :k]  # row stride 2k
-    expected = x.double() @ w.dequantize().double().T
-    torch.testing.assert_close(stored.linear(x, w).double(), expected, atol=1e-3, rtol=1e-5)
+    for rows in (3, 20):  # the dot path; the panel path (x's rows in the lanes on AVX-512)
+        x = torch.randn(rows, 2 * k)[:, :k]  # row stride 2k
+        expected = x.double() @ w.dequantize().double().T
+        torch.testing.assert_close(stored.linear(x, w).double(), expected, atol=1e-3, rtol=1e-5)

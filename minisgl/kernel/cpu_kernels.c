@@ -974,10 +974,74 @@ static void linear_stored_panel_work(const float *x, int64_t ldx, const uint8_t 
 }
 #endif
 
+#if VW == 16
+#define XT_MIN 16 /* rows of x from which the stored GEMM puts x's rows in the lanes (fewer: lanes idle) */
+/* The panel path with x's rows in the 16 lanes instead of W's (AVX-512): x is transposed once into blocks of
+ * 16 rows, [k][16 rows], so each panel of 16 weight rows is dequantized row by row as stored and read back
+ * as broadcasts, with no transposes of W (which cost as much as the dequantizing at decode's row counts).
+ * acc[n] holds output column n for the block's 16 rows; partial sums over K chunks wait in yacc. */
+static void linear_stored_xt_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
+                                  const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const int64_t mblocks = (M + 15) / 16, panels = (N + 15) / 16;
+    float *xt = 0;  // [mblocks][K][16], rows past M zero
+#pragma omp single copyprivate(xt)
+    xt = (float *)aligned_alloc(64, (size_t)(mblocks * K * 16) * sizeof(float) + 64);
+#pragma omp for schedule(static)
+    for (int64_t mb = 0; mb < mblocks; mb++)
+        for (int64_t k = 0; k < K; k++)
+            for (int i = 0; i < 16; i++) {
+                int64_t m = mb * 16 + i;
+                xt[(mb * K + k) * 16 + i] = m < M ? x[m * ldx + k] : 0.0f;
+            }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float tmp[16 * QKC] __attribute__((aligned(64)));
+        float yacc[8 * 16 * 16] __attribute__((aligned(64)));  // up to 8 row blocks at a time
+        int nr = (int)(N - p * 16 < 16 ? N - p * 16 : 16);
+        for (int64_t mb0 = 0; mb0 < mblocks; mb0 += 8) {
+            int64_t nmb = mblocks - mb0 < 8 ? mblocks - mb0 : 8;
+            for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+                int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+                for (int j = 0; j < 16; j++)  // rows past N: row 0 again, its outputs never written
+                    dequant_span(type, w + (p * 16 + (j < nr ? j : 0)) * row_bytes, k0, kc, tmp + j * QKC);
+                for (int64_t b = 0; b < nmb; b++) {
+                    __m512 acc[16];
+                    float *ya = yacc + b * 256;
+                    for (int n = 0; n < 16; n++) acc[n] = k0 ? _mm512_load_ps(ya + n * 16) : _mm512_setzero_ps();
+                    const float *xb = xt + ((mb0 + b) * K + k0) * 16;
+                    for (int64_t k = 0; k < kc; k++) {
+                        __m512 xv = _mm512_load_ps(xb + k * 16);
+#pragma GCC unroll 16
+                        for (int n = 0; n < 16; n++) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(tmp[n * QKC + k]), xv, acc[n]);
+                    }
+                    for (int n = 0; n < 16; n++) _mm512_store_ps(ya + n * 16, acc[n]);
+                }
+            }
+            for (int64_t b = 0; b < nmb; b++)
+                for (int i = 0; i < 16; i++) {
+                    int64_t m = (mb0 + b) * 16 + i;
+                    if (m >= M) break;
+                    float *yr = y + m * ldy + p * 16;
+                    for (int n = 0; n < nr; n++) yr[n] = yacc[b * 256 + n * 16 + i] + (bias ? bias[p * 16 + n] : 0.0f);
+                }
+        }
+    }
+#pragma omp barrier
+#pragma omp single
+    free(xt);
+}
+#endif
+
 /* linear_stored's work for the threads of an enclosing parallel region (alone: one thread). */
 static void linear_stored_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
 #if HAVE_AVX2
+#if VW == 16
+    if (M >= XT_MIN) {
+        linear_stored_xt_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
+        return;
+    }
+#endif
     if (M > DOT_MAX || (M > 3 && K % 32)) {
         linear_stored_panel_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
         return;
