@@ -462,3 +462,34 @@ def wait_idle(url: str, after_checks: float, timeout: float = 60) -> dict[str, f
             return m
         assert time.monotonic() < deadline, f"the scheduler never went idle: {m}"
         time.sleep(0.3)
+
+
+# builds of the C kernels for CPUs with less than this one: (extra compiler flags, CPU flags they need)
+CPU_KERNEL_VARIANTS = {
+    "256-bit VNNI or AVX2": (("-mno-avx512f",), {"avx2", "fma", "f16c"}),
+    "AVX2": (("-march=haswell",), {"avx2", "fma", "f16c", "bmi2", "movbe"}),
+    "scalar": (("-march=x86-64",), set()),
+}
+
+
+def cpu_kernel_variant(name: str):
+    """The C kernels built as for an older CPU (CPU_KERNEL_VARIANTS; cached like the default build, seconds
+    the first time), with their argument types set; skips the test where that build cannot run here."""
+    import platform
+
+    import pytest
+
+    from minisgl.kernel import cpu as cpu_kernels
+
+    flags, needs = CPU_KERNEL_VARIANTS[name]
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        have = set()
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= have:
+        pytest.skip(f"the {name} build does not run here")
+    lib = cpu_kernels.load_variant(flags)
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib

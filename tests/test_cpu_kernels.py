@@ -4,11 +4,13 @@ loop, the packed linear against float64, the elementwise kernels against kernel/
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant
 
 from minisgl import kernel
 from minisgl.core import Phase
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import reference as ref
+from minisgl.kernel import stored
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
 
@@ -58,6 +60,45 @@ def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens,
         torch.set_num_threads(before)
     expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows.tolist(), lens, scale)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", list(CPU_KERNEL_VARIANTS))
+def test_fallback_builds_of_attention_and_linear_equal_the_references(variant, monkeypatch):
+    """The forms an older CPU runs (AVX2 8-lane vectors, scalar loops), built with its -march: decode
+    attention against the float64 loop, the packed float32 linear and the exact stored linear (the dot
+    path, the panel path) against float64 products of the same weights."""
+    gguf = pytest.importorskip("gguf")
+    lib = cpu_kernel_variant(variant)
+    monkeypatch.setattr(cpu_kernels, "_lib", lib)  # the wrappers below call this build
+    g = torch.Generator().manual_seed(7)
+    for hq, hkv, d, lens in [(9, 3, 64, [7, 300]), (8, 8, 128, [33]), (4, 2, 24, [5, 70])]:
+        k_cache = torch.randn(700, hkv, d, generator=g)
+        v_cache = torch.randn(700, hkv, d, generator=g)
+        page_table = torch.randperm(700, generator=g)[: 2 * 300].int().reshape(2, 300)
+        rows = torch.arange(len(lens), dtype=torch.int64)
+        q = torch.randn(len(lens), hq, d, generator=g)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        out = cpu_kernels.decode_attention(q, k_cache, v_cache, page_table, rows, lens_t, d**-0.5)
+        expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows.tolist(), lens, d**-0.5)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    for m in (1, 5, 20, 40):
+        x = torch.randn(m, 288, generator=g)
+        if hasattr(lib, "linear_packed_f32"):
+            w = torch.randn(37, 288, generator=g)
+            got = cpu_kernels.linear(x, cpu_kernels.pack_weight(w), 37)
+            torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-5)
+        for name in ("Q4_0", "Q4_1", "Q8_0"):
+            t = stored.TYPE_IDS[name]
+            data = torch.from_numpy(
+                gguf.quants.quantize(
+                    torch.randn(37, 288, generator=g).numpy() * 0.05, gguf.GGMLQuantizationType[name]
+                )
+            )
+            y = torch.empty(m, 37)
+            cpu_kernels.linear_stored(x, t, data, None, y)
+            dense = stored.dequantize(t, data, 288)
+            torch.testing.assert_close(y, (x.double() @ dense.double().T).float(), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])

@@ -9,15 +9,13 @@ effect)."""
 
 from __future__ import annotations
 
-import ctypes
-import platform
 import shutil
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from helpers import make_llm, tiny_llm_kwargs
+from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant, make_llm, tiny_llm_kwargs
 
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import stored
@@ -139,35 +137,10 @@ def test_int8_dot_equals_the_reference(name, rows, n, k):
     _check(name, x, data, bias)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-# builds of the C file for CPUs with less than this one: (extra flags, CPU flags they need to run)
-VARIANTS = {
-    "256-bit VNNI or AVX2": (("-mno-avx512f",), {"avx2", "fma", "f16c"}),
-    "AVX2": (("-march=haswell",), {"avx2", "fma", "f16c", "bmi2", "movbe"}),
-    "scalar": (("-march=x86-64",), set()),
-}
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(scope="module", params=list(CPU_KERNEL_VARIANTS))
 def variant_lib(request):
-    """The library built for an older CPU (cached like the default build: seconds the first time)."""
-    flags, needs = VARIANTS[request.param]
-    if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
-        pytest.skip(f"the {request.param} build does not run here")
-    path = cpu_kernels._build(flags)
-    if path is None:
-        pytest.skip("no C compiler")
-    lib = ctypes.CDLL(path)
-    lib.linear_stored_q8.argtypes = cpu_kernels._lib.linear_stored_q8.argtypes
-    lib.linear_stored_q8.restype = ctypes.c_int
-    return lib
+    """The library built for an older CPU."""
+    return cpu_kernel_variant(request.param)
 
 
 @needs_kernels

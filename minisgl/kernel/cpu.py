@@ -87,7 +87,19 @@ def _load() -> ctypes.CDLL | None:
     path = _build()
     if path is None:
         return None
-    lib = ctypes.CDLL(path)
+    _lib = _bind(ctypes.CDLL(path))
+    return _lib
+
+
+def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library built with extra compiler flags (an older -march: the tests of the fallback paths), or
+    None without a compiler."""
+    path = _build(extra_flags)
+    return None if path is None else _bind(ctypes.CDLL(path))
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with its entry points' argument types set."""
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.decode_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32]
     lib.decode_attention_f32.restype = None
@@ -105,8 +117,7 @@ def _load() -> ctypes.CDLL | None:
         lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
         lib.decode_step_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, f32, i32]
         lib.decode_step_f32.restype = None
-    _lib = lib
-    return _lib
+    return lib
 
 
 def available() -> bool:
