@@ -153,19 +153,19 @@ def physical_cores() -> int:
 
 
 def keep_freed_memory() -> bool:
-    """Let glibc's malloc keep and reuse freed blocks of any size instead of returning each large one to the
-    system (mmap/munmap): a CPU step's activations and logits are megabytes, and every fresh mapping costs
-    page faults and the kernel zeroing its pages again. False where the C library is not glibc."""
+    """Let glibc's malloc serve every block from its heap and keep what is freed, instead of mapping each
+    large block afresh and returning it on free: a CPU step's activations and logits are megabytes (a long
+    prefill's tens), and every fresh mapping costs page faults and the kernel zeroing its pages again. The
+    process keeps its peak heap. False where the C library is not glibc or refuses a setting."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    limit = 1 << 30  # glibc's cap for the mmap threshold on 64-bit is 32 MiB unless set explicitly
-    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, limit))
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    # no mmap at all (M_MMAP_THRESHOLD cannot go past 32 MiB), and no trimming of the heap's top
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 1 << 40))
 
 
 def set_cpu_threads(tp_size: int = 1) -> int:
