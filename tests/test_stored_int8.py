@@ -215,7 +215,7 @@ def _step_logits(engine, step, seqs: torch.Tensor, slot0: int) -> torch.Tensor:
         engine.page_table[rows, t] = loc.to(engine.page_table.dtype)
         meta = SimpleNamespace(rows=rows, lens=pos + 1)  # what CpuAttnBackend.prepare_metadata makes
         batch = SimpleNamespace(size=B, input_ids=seqs[:, t], positions=pos, out_loc=loc, attn_metadata=meta)
-        out.append(step.logits(step.run(batch)).float())
+        out.append(engine.model.compute_logits(step.run(batch)).float())
     return torch.stack(out)
 
 
@@ -249,7 +249,7 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
         h = exact.run(_one_step(engine, seqs[:4, 0], slot0=2000))
         head = engine.model.lm_head.weight
         assert head.dot == "int8"
-        got = int8.logits(h).double().numpy()
+        got = engine.model.compute_logits(h).double().numpy()
         part = head.parts[0]
         plain = (h.double() @ part.dequantize().double().T).numpy()
         if stored.STORED_TYPES[part.ggml_type][0] in Q8_TYPES:

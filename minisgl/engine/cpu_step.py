@@ -128,7 +128,6 @@ class CpuDecodeStep:
         # int8: room a row for the widest linear input quantized (groups of up to four blocks of 32)
         widest = max(self.hidden, self.q, self.inter)
         self._q8_row = (widest + 127) // 128 * _XGROUP_FLOATS if int8 else 0
-        self._compute_logits = model.compute_logits
         self.model_desc = torch.tensor(model_words, dtype=torch.int64)
         self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
         self._scratch = torch.empty(0)
@@ -171,8 +170,3 @@ class CpuDecodeStep:
             self.model_desc, self.layers_desc, tokens, self._scratch, out, self.eps, self.scale
         )
         return out
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head of run's hidden states: the model's own (in the int8 mode its stored weight's dot is
-        int8 too, stored.set_dot, so a Q4_0/Q4_1/Q8_0 head takes the int8 dot as the layers do)."""
-        return self._compute_logits(hidden)

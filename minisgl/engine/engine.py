@@ -329,7 +329,7 @@ class Engine:
         self.prepare_inputs(batch)
         self.attn_backend.prepare_metadata(batch)
         if self.cpu_step is not None and batch.is_decode:
-            return Logits(self.cpu_step.logits(self.cpu_step.run(batch)))
+            return Logits(self.model.compute_logits(self.cpu_step.run(batch)))
         hidden = self._run_model(batch)
         hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
         return Logits(self.model.compute_logits(hidden))

@@ -987,11 +987,13 @@ static void linear_stored_panel_work(const float *x, int64_t ldx, const uint8_t 
 static void linear_stored_xt_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                   const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     const int64_t mblocks = (M + 15) / 16, panels = (N + 15) / 16;
-    // x transposed, [mblocks][K][16] with rows past M zero, in a buffer kept across calls (one call runs at
-    // a time): a fresh one each call came back as new pages, faulted in and zeroed by the kernel each time
-    static float *xt_buf;
-    static size_t xt_cap;
-#pragma omp single
+    // x transposed, [mblocks][K][16] with rows past M zero, in a buffer the thread that fills it keeps across
+    // calls (a fresh one each call came back as new pages, faulted in and zeroed by the kernel each time);
+    // per thread, so regions started by different threads at once never share one
+    static __thread float *xt_buf;
+    static __thread size_t xt_cap;
+    float *xt = 0;
+#pragma omp single copyprivate(xt)
     {
         size_t need = (size_t)(mblocks * K * 16) * sizeof(float);
         if (need > xt_cap) {
@@ -999,8 +1001,8 @@ static void linear_stored_xt_work(const float *x, int64_t ldx, const uint8_t *w,
             xt_buf = (float *)aligned_alloc(64, (need + 63) / 64 * 64);
             xt_cap = xt_buf ? need : 0;
         }
+        xt = xt_buf;
     }
-    float *xt = xt_buf;
     if (!xt) abort();  // out of memory: nothing sensible to compute
 #pragma omp for schedule(static)
     for (int64_t mb = 0; mb < mblocks; mb++)

@@ -99,16 +99,18 @@ def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     int8 = w.dot == "int8" and x2.shape[1] % 32 == 0
+
+    def kernel(p: StoredPart):  # the int8 dot for the parts it reads, the exact one otherwise
+        return cpu.linear_stored_q8 if int8 and p.ggml_type in INT8_DOT_TYPES else cpu.linear_stored
+
     if len(w.parts) == 1:
         p = w.parts[0]
-        fn = cpu.linear_stored_q8 if int8 and p.ggml_type in INT8_DOT_TYPES else cpu.linear_stored
-        fn(x2, p.ggml_type, p.data, bias, y)
+        kernel(p)(x2, p.ggml_type, p.data, bias, y)
         return y.view(*x.shape[:-1], w.shape[0])
     off = 0
     for p in w.parts:
         b = None if bias is None else bias[off : off + p.n].contiguous()
-        fn = cpu.linear_stored_q8 if int8 and p.ggml_type in INT8_DOT_TYPES else cpu.linear_stored
-        fn(x2, p.ggml_type, p.data, b, y[:, off : off + p.n])
+        kernel(p)(x2, p.ggml_type, p.data, b, y[:, off : off + p.n])
         off += p.n
     return y.view(*x.shape[:-1], w.shape[0])
 
