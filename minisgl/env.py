@@ -43,6 +43,14 @@ class Env:
         return _flag("MINISGL_LAYER_KERNEL")
 
     @property
+    def decode_tile(self) -> str:
+        """The decode attention's launches (MINISGL_DECODE_TILE): BLOCK_N:warps:stages in several
+        splits:stages in one, for batches of several requests, then for one request; e.g.
+        64:4:3:4,64:4:3:4 (the GPU tiling before 2026-12-03). Empty: the tuned defaults
+        (attention/triton_backend.py)."""
+        return os.environ.get("MINISGL_DECODE_TILE", "").strip()
+
+    @property
     def check_integrity(self) -> bool:
         """Fail (not just log) when the idle-time KV integrity check finds a leak; tests set it."""
         return _flag("MINISGL_STRICT_INTEGRITY")

@@ -480,9 +480,52 @@ def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sm
     setup = PagedSetup(4, 4, 2, seq_lens)
     batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * 3)
     backend, meta = _run_both(setup, batch, num_sms=num_sms)
-    want = 1 if num_sms == 1 else -(-max(seq_lens) // backend.decode_block_n)
+    want = 1 if num_sms == 1 else -(-max(seq_lens) // backend.decode_tile(3)[0])
     assert meta.num_splits == want
     assert (meta.mid_o is None) == (want == 1)  # one split writes the output directly
+
+
+@pytest.mark.parametrize("tiles", ["8:4:2:2,32:4:2:2", "32:4:2:2,8:4:2:2"])
+def test_decode_tile_of_a_batch_and_of_one_request_each_cut_their_own_splits(tiles, monkeypatch):
+    """MINISGL_DECODE_TILE sets one decode tile for batches of several requests and one for a single
+    request (on an H200: 32-key blocks for batches, 64 for one request). Each cuts the splits in its own
+    key blocks, and the merges, in the merge kernel or in the output projection's GEMV at one request,
+    cut them alike: both stay exact against the naive reference."""
+    from minisgl.kernel import SplitAttention
+
+    monkeypatch.setenv("MINISGL_DECODE_TILE", tiles)
+    batch_tile, one_tile = (tuple(int(x) for x in t.split(":")) for t in tiles.split(","))
+    seq_lens = [2, 95, 17]
+    setup = PagedSetup(4, 4, 2, seq_lens)
+    batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * 3)
+    _, meta = _run_both(setup, batch, num_sms=1000)
+    assert meta.tile == batch_tile and meta.num_splits == -(-95 // batch_tile[0])
+
+    one = PagedSetup(4, 4, 2, [70])
+    single = one.batch(Phase.DECODE, [69], [1])
+    backend = TritonAttnBackend(one.config, one.pool, one.page_table)
+    backend.num_sms = 1000
+    backend.prepare_metadata(single)
+    meta = single.attn_metadata
+    assert meta.tile == one_tile and meta.num_splits == -(-70 // one_tile[0]) and meta.plan.merge_in_o_proj
+    q = _randn(1, 4, HEAD_DIM, seed=7)
+    k, v = _randn(1, 2, HEAD_DIM, seed=8), _randn(1, 2, HEAD_DIM, seed=9)
+    parts = backend.forward(q, k, v, 0, single)
+    want = naive_over_pool(one, single, q).view(1, -1)
+    torch.testing.assert_close(parts.merge(), want, atol=2e-5, rtol=1e-5)
+    # the GEMV that merges as it reads (half precision) cuts the splits with the parts' block
+    half = SplitAttention(
+        parts.mid_o,
+        parts.mid_lse,
+        parts.seq_lens,
+        parts.num_splits,
+        parts.block_n,
+        torch.bfloat16,
+        lambda: None,
+    )
+    w = _randn(11, 4 * HEAD_DIM, dtype=torch.bfloat16, seed=10)
+    want_y = torch.nn.functional.linear(want.to(torch.bfloat16).float(), w.float())
+    _close_norm(triton_kernels.gemv_merged(half, w), want_y, torch.bfloat16)
 
 
 @pytest.mark.parametrize("norm", [False, True])

@@ -49,6 +49,8 @@ class TritonDecodeMetadata:
     mid_o: torch.Tensor | None  # [B, Hq, num_splits, D] float32: each split's normalised partial output
     mid_lse: torch.Tensor | None  # [B, Hq, num_splits] float32: each split's log2-sum-exp (None: 1 split)
     plan: FusionPlan  # rotary and the KV store in the kernel; the merge in the O projection at 1 request
+    # (BLOCK_N, warps, stages in several splits, stages in one): the splits are whole blocks of BLOCK_N keys
+    tile: tuple[int, int, int, int]
 
 
 @dataclass
@@ -84,17 +86,19 @@ class TritonAttnBackend(BaseAttnBackend):
         on_gpu = config.device.type == "cuda"
         if on_gpu:
             self.num_sms = torch.cuda.get_device_properties(config.device).multi_processor_count
-            # tilings chosen with python -m minisgl.benchmark.attn_decode / attn_extend (docs/BENCHMARKS.md)
-            self.decode_block_n = 64
-            self.decode_launch = {"num_warps": 4, "num_stages": (3, 4)}  # stages: (several splits, one)
+            # tilings chosen with python -m minisgl.benchmark.attn_decode / attn_extend, W1 and W2
+            # (docs/BENCHMARKS.md). Decode of several requests: 32-key blocks, one warp a program (its 16-row
+            # dot tiles need no cross-warp reductions); of one request: 64-key blocks, 4 warps
+            self.decode_tiles = ((32, 1, 3, 3), (64, 4, 3, 4))
             self.extend_blocks = (64, 64) if config.head_dim <= 128 else (64, 32)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         else:  # TRITON_INTERPRET: small tiles, so short test sequences still cross several tiles and splits
             self.num_sms = 4
-            self.decode_block_n = 16
-            self.decode_launch = {"num_warps": 4, "num_stages": (2, 2)}
+            self.decode_tiles = ((16, 4, 2, 2), (16, 4, 2, 2))
             self.extend_blocks = (16, 16)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
+        if ENV.decode_tile:
+            self.decode_tiles = tuple(tuple(int(x) for x in t.split(":")) for t in ENV.decode_tile.split(","))
         # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
         self.layer_kernel = ENV.layer_kernel
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
@@ -104,13 +108,17 @@ class TritonAttnBackend(BaseAttnBackend):
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
 
+    def decode_tile(self, batch_size: int) -> tuple[int, int, int, int]:
+        """Decode's (BLOCK_N, warps, stages in several splits, stages in one) at batch_size requests."""
+        return self.decode_tiles[batch_size == 1]
+
     # ---- metadata --------------------------------------------------------------------------------
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
         """Splits per (request, KV head): enough stage-1 programs for _WAVES per SM, at most one split
         per key block, capped at _MAX_SPLITS."""
         programs = batch_size * self.config.num_kv_heads
         wanted = triton.cdiv(self.num_sms * _WAVES, programs)
-        blocks = triton.cdiv(max_seq_len, self.decode_block_n)
+        blocks = triton.cdiv(max_seq_len, self.decode_tile(batch_size)[0])
         return max(1, min(wanted, blocks, _MAX_SPLITS))
 
     def _decode_metadata(
@@ -124,7 +132,8 @@ class TritonAttnBackend(BaseAttnBackend):
             merge_in_o_proj=one and num_splits > 1,
             whole_layer=one and self.layer_kernel,
         )
-        return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse, plan)
+        tile = self.decode_tile(batch.size)
+        return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse, plan, tile)
 
     def prepare_metadata(self, batch: Batch) -> None:
         cfg, device = self.config, self.config.device
@@ -179,7 +188,7 @@ class TritonAttnBackend(BaseAttnBackend):
             "mid_lse": mid_lse,
             "num_splits": splits,
             "scale": self.scale,
-            "block_n": self.decode_block_n,
+            "block_n": meta.tile[0],
             "precision": self.precision,
         }
 
@@ -225,6 +234,7 @@ class TritonAttnBackend(BaseAttnBackend):
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         direct = splits == 1  # one split: stage 1 writes the output, no merge
+        block_n, num_warps, several, one = meta.tile
         decode_split(
             q,
             k_cache,
@@ -236,10 +246,10 @@ class TritonAttnBackend(BaseAttnBackend):
             None if direct else mid_lse,
             splits,
             self.scale,
-            block_n=self.decode_block_n,
+            block_n=block_n,
             precision=self.precision,
-            num_warps=self.decode_launch["num_warps"],
-            num_stages=self.decode_launch["num_stages"][direct],
+            num_warps=num_warps,
+            num_stages=one if direct else several,
             new_kv=new_kv,
         )
         if direct:
@@ -250,21 +260,11 @@ class TritonAttnBackend(BaseAttnBackend):
                 mid_lse,
                 meta.seq_lens,
                 splits,
-                self.decode_block_n,
+                block_n,
                 q.dtype,
-                lambda: self._merge(mid_o, mid_lse, meta.seq_lens, splits, out).view(bs, -1),
+                lambda: merge_splits(mid_o, mid_lse, meta.seq_lens, splits, out, block_n).view(bs, -1),
             )
-        return self._merge(mid_o, mid_lse, meta.seq_lens, splits, out)
-
-    def _merge(
-        self,
-        mid_o: torch.Tensor,
-        mid_lse: torch.Tensor,
-        seq_lens: torch.Tensor,
-        splits: int,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        return merge_splits(mid_o, mid_lse, seq_lens, splits, out, self.decode_block_n)
+        return merge_splits(mid_o, mid_lse, meta.seq_lens, splits, out, block_n)
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:

@@ -458,7 +458,7 @@ def _step_model(engine, shape, keys: list[int], batch: int, graphed: bool) -> tu
     if hasattr(backend, "num_splits"):  # the Triton backend's split-KV decode
         longest = engine.max_seq_len if graphed else max(keys) + PROFILE_STEPS
         num_splits = backend.num_splits(padded, longest)
-    block_n = getattr(backend, "decode_block_n", 64)
+    block_n = backend.decode_tile(padded)[0] if hasattr(backend, "decode_tile") else 64
     pad = [1] * (padded - len(keys))
     steps = [
         decode_step_bytes(shape, [n + 1 + k for n in keys] + pad, num_splits, block_n)
