@@ -169,6 +169,24 @@ def test_same_seed_same_token_whatever_the_batch():
     assert len(set(alone)) > 1  # the seed does not freeze the draw: positions differ
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 9])
+def test_every_sampling_row_starts_16_byte_aligned_at_any_batch_size(n):
+    """Triton specialises a kernel on whether each pointer is 16-byte aligned: rows of a packed [3, n]
+    tensor start at n * 4 or n * 8 bytes and would compile the sampling kernels again for some batch
+    sizes, at run time. Each row starts aligned, and holds the batch's values."""
+    params = [SamplingParams(temperature=0.5 + i / 10, top_p=0.9, top_k=2 + i % 3, seed=i) for i in range(n)]
+    info = make_info(params, list(range(10, 10 + n)))
+    rows = info.rows
+    for name in ("temperature", "top_p", "min_p", "top_k", "seed", "counter"):
+        row = getattr(rows, name)
+        assert row.shape == (n,) and row.data_ptr() % 16 == 0, name
+    assert rows.temperature.tolist() == pytest.approx([0.5 + i / 10 for i in range(n)])
+    assert rows.top_k.tolist() == [2 + i % 3 for i in range(n)] and rows.seed.tolist() == list(range(n))
+    assert rows.counter.tolist() == list(range(10, 10 + n))  # a seeded row's counter is its position
+    floats, ints = info.packed
+    assert floats.shape == (3, n) and ints.shape == (3, n)
+
+
 # ---- through the LLM --------------------------------------------------------------------------------
 ARCH = "qwen3"
 

@@ -189,8 +189,7 @@ class SamplingInfo:
             # a penalised greedy row needs the argmax of its processed logits instead
             return cls(all_greedy=penalties is None, top_logprobs=top_logprobs, penalties=penalties)
         floats, ints, has_top_k, has_top_p = _pack(params, positions, vocab_size)
-        f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
-        i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+        f, i = _aligned_rows(floats, torch.float32, device), _aligned_rows(ints, torch.int64, device)
         return cls(
             all_greedy=False,
             rows=rows_of(f, i, None, has_top_k, has_top_p),
@@ -198,6 +197,16 @@ class SamplingInfo:
             top_logprobs=top_logprobs,
             penalties=penalties,
         )
+
+
+def _aligned_rows(rows: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """rows as a [len(rows), n] view on device whose rows all start 16-byte aligned (the row stride is n
+    rounded up to 4 elements). Triton specialises a kernel on whether each pointer argument is 16-byte
+    aligned: unaligned rows at some batch sizes would compile the sampling kernels anew, for seconds, the
+    first time such a batch samples."""
+    n = len(rows[0])
+    pad = [0] * (-n % 4)
+    return torch.tensor([r + pad for r in rows], dtype=dtype).to(device, non_blocking=True)[:, :n]
 
 
 def _pack(params: list[SamplingParams], positions: list[int], vocab_size: int):
