@@ -216,14 +216,14 @@ def _config_class(architecture: str):
     }[architecture]
 
 
-def build_tiny_model(spec: TinySpec, out_dir: str) -> str:
+def build_tiny_model(spec: TinySpec, out_dir: str, max_positions: int = TINY_MAX_POSITIONS) -> str:
     """Build a seeded random model from its transformers config and save it as safetensors."""
     from transformers import AutoModelForCausalLM
 
     config = _config_class(spec.architecture)(
         initializer_range=0.15,
         rms_norm_eps=1e-6,
-        max_position_embeddings=TINY_MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         architectures=[spec.architecture],
         **spec.config_kwargs,
     )

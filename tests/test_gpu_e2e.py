@@ -102,6 +102,85 @@ def test_fast_path_equals_reference_one_request_at_a_time_qwen3_06b_bf16():
     _assert_same_greedy(fast, ref, tie=0.5)
 
 
+def _batch_prompts(batch: int, vocab: int) -> list[list[int]]:
+    """batch prompts: one of 4,200 tokens (its context passes 4,096), the others 3-300 tokens."""
+    lens = [4200] + [3 + (37 * i) % 298 for i in range(batch - 1)]
+    return [random_prompt(n, vocab, seed=1000 + i) for i, n in enumerate(lens)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 32, 256])
+def test_fast_path_equals_reference_at_batch_1_32_256_past_4096_keys_tiny_fp32(tmp_path, batch):
+    """Decode batches of 1, 32 and 256 requests (the decode tiles of one request and of a batch), page
+    sizes 1 and 16, one request past 4,096 tokens of context: the fast path's greedy tokens equal the
+    reference path's in float32 (a first difference only at a float32 near-tie)."""
+    spec = TINY_SPECS["qwen3"] if "qwen3" in TINY_SPECS else next(iter(TINY_SPECS.values()))
+    model = build_tiny_model(spec, str(tmp_path / "tiny"), max_positions=8192)
+    prompts = _batch_prompts(batch, spec.config_kwargs["vocab_size"])
+    common = {"dtype": torch.float32, "max_seq_len_override": 4400, "max_running_req": batch}
+    ref = _run(
+        model,
+        prompts,
+        24,
+        attn="torch",
+        cuda_graph_max_bs=0,
+        overlap=False,
+        num_page_override=120_000,
+        **common,
+    )
+    for page_size in (1, 16):
+        fast = _run(
+            model,
+            prompts,
+            24,
+            attn="triton",
+            cuda_graph_max_bs=256,
+            overlap=True,
+            page_size=page_size,
+            num_page_override=120_000 // page_size + batch,
+            **common,
+        )
+        _assert_same_greedy(fast, ref, tie=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [32, 256])
+def test_fast_path_equals_reference_at_batch_32_256_past_4096_keys_qwen3_06b_bf16(batch):
+    """As above with Qwen3-0.6B shapes in bf16 (8 KV heads: at 256 requests the decode runs in one split),
+    page sizes 1 and 16; a first difference is allowed at a bf16 near-tie, as in the tests above."""
+    model = os.path.join(CONFIGS, "qwen3-0.6b")
+    prompts = _batch_prompts(batch, 151936)
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "max_seq_len_override": 4400,
+        "max_running_req": batch,
+    }
+    ref = _run(
+        model,
+        prompts,
+        24,
+        attn="torch",
+        cuda_graph_max_bs=0,
+        overlap=False,
+        num_page_override=120_000,
+        **common,
+    )
+    for page_size in (1, 16):
+        fast = _run(
+            model,
+            prompts,
+            24,
+            attn="triton",
+            cuda_graph_max_bs=256,
+            overlap=True,
+            page_size=page_size,
+            num_page_override=120_000 // page_size + batch,
+            **common,
+        )
+        _assert_same_greedy(fast, ref, tie=0.5)
+
+
 def _shape_config(name: str, out_dir, **overrides) -> str:
     """A shipped shape config with some fields changed (fewer layers), written to out_dir."""
     import json
