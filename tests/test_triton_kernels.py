@@ -528,6 +528,23 @@ def test_decode_tile_of_a_batch_and_of_one_request_each_cut_their_own_splits(til
     _close_norm(triton_kernels.gemv_merged(half, w), want_y, torch.bfloat16)
 
 
+def test_decode_tile_sets_the_programs_an_sm_its_split_count_aims_for(monkeypatch):
+    """A fifth field of a MINISGL_DECODE_TILE tile: the split count fills that many programs an SM (here
+    4 SMs, 3 requests x 2 KV heads = 6 programs a split: 8 an SM (the default) wants 6 splits, 1 wants
+    one); a malformed value is refused naming the variable."""
+    seq_lens = [2, 95, 17]
+    setup = PagedSetup(4, 4, 2, seq_lens)
+    batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * 3)
+    for tiles, splits in (("16:4:2:2,16:4:2:2", 6), ("16:4:2:2:1,16:4:2:2", 1), ("16:4:2:2:4,16:4:2:2", 3)):
+        monkeypatch.setenv("MINISGL_DECODE_TILE", tiles)
+        _, meta = _run_both(setup, batch)
+        assert meta.num_splits == splits
+    for bad in ("16:4:2:2", "16:4:2,16:4:2:2", "16:4:x:2,16:4:2:2", "0:4:2:2,16:4:2:2"):
+        monkeypatch.setenv("MINISGL_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match="MINISGL_DECODE_TILE"):
+            TritonAttnBackend(setup.config, setup.pool, setup.page_table)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("num_sms", [1, 1000])  # one split (direct output) and one split per key block
 @pytest.mark.parametrize("rot_dim", [HEAD_DIM, 16])  # 16: partial rotary

@@ -40,6 +40,21 @@ _MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism g
 _EXTEND_PLAN = FusionPlan(kv_store_in_rotary=True)  # the extend kernel reads every key from the pool
 
 
+def parse_decode_tiles(value: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """MINISGL_DECODE_TILE: two tiles, for batches of several requests and for one request, each
+    BLOCK_N:warps:stages in several splits:stages in one[:programs an SM the split count aims for]."""
+    try:
+        tiles = tuple(tuple(int(x) for x in t.split(":")) for t in value.split(","))
+        if len(tiles) == 2 and all(len(t) in (4, 5) and min(t) > 0 for t in tiles):
+            return tiles
+    except ValueError:
+        pass
+    raise ValueError(
+        f"MINISGL_DECODE_TILE={value!r}: expected two tiles BLOCK_N:warps:stages:stages[:programs an SM], "
+        "for batches then for one request, positive integers, e.g. 32:1:3:3,64:4:3:4"
+    )
+
+
 # ---- the backend ---------------------------------------------------------------------------------------
 @dataclass
 class TritonDecodeMetadata:
@@ -49,8 +64,9 @@ class TritonDecodeMetadata:
     mid_o: torch.Tensor | None  # [B, Hq, num_splits, D] float32: each split's normalised partial output
     mid_lse: torch.Tensor | None  # [B, Hq, num_splits] float32: each split's log2-sum-exp (None: 1 split)
     plan: FusionPlan  # rotary and the KV store in the kernel; the merge in the O projection at 1 request
-    # (BLOCK_N, warps, stages in several splits, stages in one): the splits are whole blocks of BLOCK_N keys
-    tile: tuple[int, int, int, int]
+    # (BLOCK_N, warps, stages in several splits, stages in one[, programs an SM]): the splits are whole
+    # blocks of BLOCK_N keys
+    tile: tuple[int, ...]
 
 
 @dataclass
@@ -98,7 +114,7 @@ class TritonAttnBackend(BaseAttnBackend):
             self.extend_blocks = (16, 16)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         if ENV.decode_tile:
-            self.decode_tiles = tuple(tuple(int(x) for x in t.split(":")) for t in ENV.decode_tile.split(","))
+            self.decode_tiles = parse_decode_tiles(ENV.decode_tile)
         # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
         self.layer_kernel = ENV.layer_kernel
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
@@ -108,17 +124,19 @@ class TritonAttnBackend(BaseAttnBackend):
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
 
-    def decode_tile(self, batch_size: int) -> tuple[int, int, int, int]:
-        """Decode's (BLOCK_N, warps, stages in several splits, stages in one) at batch_size requests."""
+    def decode_tile(self, batch_size: int) -> tuple[int, ...]:
+        """Decode's (BLOCK_N, warps, stages in several splits, stages in one[, programs an SM the split
+        count aims for]) at batch_size requests."""
         return self.decode_tiles[batch_size == 1]
 
     # ---- metadata --------------------------------------------------------------------------------
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
-        """Splits per (request, KV head): enough stage-1 programs for _WAVES per SM, at most one split
+        """Splits per (request, KV head): enough stage-1 programs for _WAVES per SM (or the tile's own count), at most one split
         per key block, capped at _MAX_SPLITS."""
         programs = batch_size * self.config.num_kv_heads
-        wanted = triton.cdiv(self.num_sms * _WAVES, programs)
-        blocks = triton.cdiv(max_seq_len, self.decode_tile(batch_size)[0])
+        tile = self.decode_tile(batch_size)
+        wanted = triton.cdiv(self.num_sms * (tile[4] if len(tile) > 4 else _WAVES), programs)
+        blocks = triton.cdiv(max_seq_len, tile[0])
         return max(1, min(wanted, blocks, _MAX_SPLITS))
 
     def _decode_metadata(
@@ -234,7 +252,7 @@ class TritonAttnBackend(BaseAttnBackend):
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         direct = splits == 1  # one split: stage 1 writes the output, no merge
-        block_n, num_warps, several, one = meta.tile
+        block_n, num_warps, several, one = meta.tile[:4]
         decode_split(
             q,
             k_cache,
