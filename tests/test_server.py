@@ -276,6 +276,18 @@ BAD_CHAT = [
     ({"messages": "hello"}, "messages", None),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", None),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "missing_required_parameter"),
+    (
+        {"messages": [{"role": "assistant", "content": None}]},
+        "messages[0].content",
+        "missing_required_parameter",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "5"}]},
+        "messages[1].tool_call_id",
+        "missing_required_parameter",
+    ),
     (dict(GOOD, max_tokens=0), "max_tokens", None),
     (dict(GOOD, max_tokens="8"), "max_tokens", None),
     (dict(GOOD, max_completion_tokens=-1), "max_completion_tokens", None),

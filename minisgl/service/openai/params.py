@@ -189,6 +189,20 @@ def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, 
                 f"messages[{i}].role",
                 "invalid_value",
             )
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            # as OpenAI: only an assistant message that calls tools may leave its content out
+            raise APIError(
+                f"'messages[{i}].content' is required in a {m.role} message"
+                + (" without tool_calls" if m.role == "assistant" else ""),
+                f"messages[{i}].content",
+                "missing_required_parameter",
+            )
+        if m.role == "tool" and m.tool_call_id is None:
+            raise APIError(
+                f"'messages[{i}].tool_call_id' is required in a tool message (the id of the call it answers)",
+                f"messages[{i}].tool_call_id",
+                "missing_required_parameter",
+            )
         if isinstance(m.content, list):
             if any(p.type != "text" or p.text is None for p in m.content):
                 raise APIError(
