@@ -166,6 +166,22 @@ def test_native_generate_with_token_ids_returns_the_offline_tokens(server, refer
     assert r["meta_info"]["prompt_tokens"] == len(reference["question_ids"])
 
 
+def test_native_generate_without_max_new_tokens_stops_at_128_or_at_the_context(server):
+    """As SGLang's /generate: no max_new_tokens means at most 128 new tokens; a prompt too long for 128
+    more runs up to the context (512 here) instead of being refused."""
+
+    def new_tokens(ids: list[int]) -> int:
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "ignore_eos": True}}
+        r = httpx.post(f"{server.url}/generate", timeout=300, json=body)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["completion_tokens"] == len(r.json()["output_ids"])
+        return meta["completion_tokens"]
+
+    assert new_tokens(list(range(100, 120))) == 128
+    assert new_tokens(list(range(100, 100 + CONTEXT - 40))) == 40
+
+
 def test_streamed_chat_deltas_concatenate_to_the_non_streamed_text(server, client):
     kwargs = {
         "model": "m",

@@ -272,13 +272,25 @@ def prompts(value: Any, param: str, limits: Limits) -> list[Prompt]:
     return out
 
 
-def fan_out(prompt_list: list[Prompt], s: Sampling, limits: Limits) -> tuple[list[TokenizeMsg], list[int]]:
-    """One TokenizeMsg per (prompt, choice), prompt-major, and the prompt index of each."""
+def fan_out(
+    prompt_list: list[Prompt], s: Sampling, limits: Limits, max_tokens_auto: bool = False
+) -> tuple[list[TokenizeMsg], list[int]]:
+    """One TokenizeMsg per (prompt, choice), prompt-major, and the prompt index of each; max_tokens_auto:
+    s's max_tokens is only a ceiling (a prompt too long for it runs up to the context)."""
     limits.check_sequences(len(prompt_list), s.n)
     msgs: list[TokenizeMsg] = []
     index: list[int] = []
     for p, (text, ids) in enumerate(prompt_list):
         for i in range(s.n):
-            msgs.append(TokenizeMsg(-1, s.for_choice(i), text=text, input_ids=ids, stop=s.stop))
+            msgs.append(
+                TokenizeMsg(
+                    -1,
+                    s.for_choice(i),
+                    text=text,
+                    input_ids=ids,
+                    stop=s.stop,
+                    max_tokens_auto=max_tokens_auto,
+                )
+            )
             index.append(p)
     return msgs, index

@@ -48,6 +48,7 @@ from .worker_api import RequestIdMiddleware, add_worker_routes
 logger = init_logger(__name__, "api")
 
 _rids = itertools.count()
+GENERATE_MAX_NEW_TOKENS = 128  # /generate without max_new_tokens: SGLang's default
 
 
 @dataclass
@@ -251,10 +252,11 @@ class OpenAIServer:
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)):
             raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
         names = FieldNames(param, "max_new_tokens")
-        s = sampling(sp, max_new, names, False, 0)
+        auto = max_new is None  # SGLang's default: at most 128 new tokens, fewer where the context ends
+        s = sampling(sp, GENERATE_MAX_NEW_TOKENS if auto else max_new, names, False, 0)
         constrain(s, requested(sp, None))
         self.frontend.metrics.requests.labels("generate").inc()
-        msgs, index = fan_out(prompt_list, s, self.limits)
+        msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
         renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
 
