@@ -182,6 +182,21 @@ def test_native_generate_without_max_new_tokens_stops_at_128_or_at_the_context(s
     assert new_tokens(list(range(100, 100 + CONTEXT - 40))) == 40
 
 
+def test_completion_without_max_tokens_stops_at_16_or_at_the_context(server):
+    """As OpenAI's completions (and vLLM's, SGLang's): no max_tokens means at most 16 tokens; a prompt
+    too long for 16 more runs up to the context instead of being refused."""
+
+    def new_tokens(ids: list[int]) -> int:
+        body = {"model": "m", "prompt": ids, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", timeout=300, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        return r.json()["usage"]["completion_tokens"]
+
+    assert new_tokens(list(range(100, 120))) == 16
+    assert new_tokens(list(range(100, 100 + CONTEXT - 5))) == 5
+
+
 def test_streamed_chat_deltas_concatenate_to_the_non_streamed_text(server, client):
     kwargs = {
         "model": "m",
@@ -583,16 +598,17 @@ def test_logprobs_are_returned_in_openai_shapes(client):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
-def test_missing_max_tokens_is_bounded_by_the_context(server, tokenizer):
-    long_prompt = "word " * (CONTEXT - 30)
-    n = len(tokenizer.encode(long_prompt))
+def test_chat_without_max_tokens_runs_up_to_the_context(server, tokenizer):
+    """A chat completion without max_tokens (OpenAI's default: no limit) stops where the context ends."""
+    long_prompt = "word " * (CONTEXT - 60)
     r = httpx.post(
-        f"{server.url}/v1/completions",
+        f"{server.url}/v1/chat/completions",
         timeout=300,
-        json={"prompt": long_prompt, "temperature": 0, "ignore_eos": True},
+        json={"messages": [{"role": "user", "content": long_prompt}], "temperature": 0, "ignore_eos": True},
     ).json()
     assert r["choices"][0]["finish_reason"] == "length"
-    assert r["usage"]["completion_tokens"] == CONTEXT - n
+    assert r["usage"]["prompt_tokens"] > len(tokenizer.encode(long_prompt))  # the template's tokens too
+    assert r["usage"]["completion_tokens"] == CONTEXT - r["usage"]["prompt_tokens"]
 
 
 # ---- the online benchmark client ------------------------------------------------------------------------

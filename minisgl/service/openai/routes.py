@@ -49,6 +49,7 @@ logger = init_logger(__name__, "api")
 
 _rids = itertools.count()
 GENERATE_MAX_NEW_TOKENS = 128  # /generate without max_new_tokens: SGLang's default
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's default (vLLM's and SGLang's too)
 
 
 @dataclass
@@ -229,10 +230,12 @@ class OpenAIServer:
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise APIError(f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value")
         names = FieldNames("prompt")
-        s = sampling(req, req.max_tokens, names, req.logprobs is not None, req.logprobs or 0)
+        auto = req.max_tokens is None  # OpenAI's default: at most 16 tokens, fewer where the context ends
+        max_tokens = COMPLETIONS_MAX_TOKENS if auto else req.max_tokens
+        s = sampling(req, max_tokens, names, req.logprobs is not None, req.logprobs or 0)
         constrain(s, requested(req, req.response_format))
         self.frontend.metrics.requests.labels("completions").inc()
-        msgs, index = fan_out(prompt_list, s, self.limits)
+        msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
         renderer = CompletionRenderer(
             model,
             f"cmpl-{next(_rids)}",
