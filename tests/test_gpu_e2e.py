@@ -108,6 +108,36 @@ def _batch_prompts(batch: int, vocab: int) -> list[list[int]]:
     return [random_prompt(n, vocab, seed=1000 + i) for i, n in enumerate(lens)]
 
 
+def _assert_batch_fast_equals_reference(model: str, vocab: int, batch: int, tie: float, **common) -> None:
+    """_batch_prompts(batch) through the reference path (torch attention, no graphs, no overlap) and the
+    fast path at page sizes 1 and 16, all requests running at once: the same greedy tokens up to `tie`."""
+    prompts = _batch_prompts(batch, vocab)
+    common.update(max_seq_len_override=4400, max_running_req=batch)
+    ref = _run(
+        model,
+        prompts,
+        24,
+        attn="torch",
+        cuda_graph_max_bs=0,
+        overlap=False,
+        num_page_override=120_000,
+        **common,
+    )
+    for page_size in (1, 16):
+        fast = _run(
+            model,
+            prompts,
+            24,
+            attn="triton",
+            cuda_graph_max_bs=256,
+            overlap=True,
+            page_size=page_size,
+            num_page_override=120_000 // page_size + batch,
+            **common,
+        )
+        _assert_same_greedy(fast, ref, tie=tie)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch", [1, 32, 256])
 def test_fast_path_equals_reference_at_batch_1_32_256_past_4096_keys_tiny_fp32(tmp_path, batch):
@@ -116,31 +146,9 @@ def test_fast_path_equals_reference_at_batch_1_32_256_past_4096_keys_tiny_fp32(t
     reference path's in float32 (a first difference only at a float32 near-tie)."""
     spec = TINY_SPECS["qwen3"] if "qwen3" in TINY_SPECS else next(iter(TINY_SPECS.values()))
     model = build_tiny_model(spec, str(tmp_path / "tiny"), max_positions=8192)
-    prompts = _batch_prompts(batch, spec.config_kwargs["vocab_size"])
-    common = {"dtype": torch.float32, "max_seq_len_override": 4400, "max_running_req": batch}
-    ref = _run(
-        model,
-        prompts,
-        24,
-        attn="torch",
-        cuda_graph_max_bs=0,
-        overlap=False,
-        num_page_override=120_000,
-        **common,
+    _assert_batch_fast_equals_reference(
+        model, spec.config_kwargs["vocab_size"], batch, 1e-4, dtype=torch.float32
     )
-    for page_size in (1, 16):
-        fast = _run(
-            model,
-            prompts,
-            24,
-            attn="triton",
-            cuda_graph_max_bs=256,
-            overlap=True,
-            page_size=page_size,
-            num_page_override=120_000 // page_size + batch,
-            **common,
-        )
-        _assert_same_greedy(fast, ref, tie=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -149,36 +157,7 @@ def test_fast_path_equals_reference_at_batch_32_256_past_4096_keys_qwen3_06b_bf1
     """As above with Qwen3-0.6B shapes in bf16 (8 KV heads: at 256 requests the decode runs in one split),
     page sizes 1 and 16; a first difference is allowed at a bf16 near-tie, as in the tests above."""
     model = os.path.join(CONFIGS, "qwen3-0.6b")
-    prompts = _batch_prompts(batch, 151936)
-    common = {
-        "dtype": torch.bfloat16,
-        "load_format": "dummy",
-        "max_seq_len_override": 4400,
-        "max_running_req": batch,
-    }
-    ref = _run(
-        model,
-        prompts,
-        24,
-        attn="torch",
-        cuda_graph_max_bs=0,
-        overlap=False,
-        num_page_override=120_000,
-        **common,
-    )
-    for page_size in (1, 16):
-        fast = _run(
-            model,
-            prompts,
-            24,
-            attn="triton",
-            cuda_graph_max_bs=256,
-            overlap=True,
-            page_size=page_size,
-            num_page_override=120_000 // page_size + batch,
-            **common,
-        )
-        _assert_same_greedy(fast, ref, tie=0.5)
+    _assert_batch_fast_equals_reference(model, 151936, batch, 0.5, dtype=torch.bfloat16, load_format="dummy")
 
 
 def _shape_config(name: str, out_dir, **overrides) -> str:

@@ -42,11 +42,12 @@ _EXTEND_PLAN = FusionPlan(kv_store_in_rotary=True)  # the extend kernel reads ev
 
 def parse_decode_tiles(value: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """MINISGL_DECODE_TILE: two tiles, for batches of several requests and for one request, each
-    BLOCK_N:warps:stages in several splits:stages in one[:programs an SM the split count aims for]."""
+    BLOCK_N:warps:stages in several splits:stages in one[:programs an SM the split count aims for, _WAVES
+    where left out]."""
     try:
         tiles = tuple(tuple(int(x) for x in t.split(":")) for t in value.split(","))
         if len(tiles) == 2 and all(len(t) in (4, 5) and min(t) > 0 for t in tiles):
-            return tiles
+            return tuple(t + (_WAVES,) * (5 - len(t)) for t in tiles)
     except ValueError:
         pass
     raise ValueError(
@@ -64,8 +65,8 @@ class TritonDecodeMetadata:
     mid_o: torch.Tensor | None  # [B, Hq, num_splits, D] float32: each split's normalised partial output
     mid_lse: torch.Tensor | None  # [B, Hq, num_splits] float32: each split's log2-sum-exp (None: 1 split)
     plan: FusionPlan  # rotary and the KV store in the kernel; the merge in the O projection at 1 request
-    # (BLOCK_N, warps, stages in several splits, stages in one[, programs an SM]): the splits are whole
-    # blocks of BLOCK_N keys
+    # (BLOCK_N, warps, stages in several splits, stages in one, programs an SM the split count aims for):
+    # the splits are whole blocks of BLOCK_N keys
     tile: tuple[int, ...]
 
 
@@ -105,12 +106,12 @@ class TritonAttnBackend(BaseAttnBackend):
             # tilings chosen with python -m minisgl.benchmark.attn_decode / attn_extend, W1 and W2
             # (docs/BENCHMARKS.md). Decode of several requests: 32-key blocks, one warp a program (its 16-row
             # dot tiles need no cross-warp reductions); of one request: 64-key blocks, 4 warps
-            self.decode_tiles = ((32, 1, 3, 3), (64, 4, 3, 4))
+            self.decode_tiles = ((32, 1, 3, 3, _WAVES), (64, 4, 3, 4, _WAVES))
             self.extend_blocks = (64, 64) if config.head_dim <= 128 else (64, 32)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         else:  # TRITON_INTERPRET: small tiles, so short test sequences still cross several tiles and splits
             self.num_sms = 4
-            self.decode_tiles = ((16, 4, 2, 2), (16, 4, 2, 2))
+            self.decode_tiles = ((16, 4, 2, 2, _WAVES), (16, 4, 2, 2, _WAVES))
             self.extend_blocks = (16, 16)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         if ENV.decode_tile:
@@ -125,17 +126,17 @@ class TritonAttnBackend(BaseAttnBackend):
         self._graph_mid_lse: torch.Tensor | None = None
 
     def decode_tile(self, batch_size: int) -> tuple[int, ...]:
-        """Decode's (BLOCK_N, warps, stages in several splits, stages in one[, programs an SM the split
-        count aims for]) at batch_size requests."""
+        """Decode's (BLOCK_N, warps, stages in several splits, stages in one, programs an SM the split
+        count aims for) at batch_size requests."""
         return self.decode_tiles[batch_size == 1]
 
     # ---- metadata --------------------------------------------------------------------------------
     def num_splits(self, batch_size: int, max_seq_len: int) -> int:
-        """Splits per (request, KV head): enough stage-1 programs for _WAVES per SM (or the tile's own count), at most one split
-        per key block, capped at _MAX_SPLITS."""
+        """Splits per (request, KV head): enough stage-1 programs for the tile's programs an SM, at most
+        one split per key block, capped at _MAX_SPLITS."""
         programs = batch_size * self.config.num_kv_heads
         tile = self.decode_tile(batch_size)
-        wanted = triton.cdiv(self.num_sms * (tile[4] if len(tile) > 4 else _WAVES), programs)
+        wanted = triton.cdiv(self.num_sms * tile[4], programs)
         blocks = triton.cdiv(max_seq_len, tile[0])
         return max(1, min(wanted, blocks, _MAX_SPLITS))
 
@@ -252,7 +253,7 @@ class TritonAttnBackend(BaseAttnBackend):
         mid_o, mid_lse, splits = meta.mid_o, meta.mid_lse, meta.num_splits
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         direct = splits == 1  # one split: stage 1 writes the output, no merge
-        block_n, num_warps, several, one = meta.tile[:4]
+        block_n, num_warps, several, one, _ = meta.tile
         decode_split(
             q,
             k_cache,

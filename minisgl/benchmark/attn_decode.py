@@ -88,7 +88,7 @@ def main() -> None:
         gb = sum(lens) * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize / 1e9
         for block_n, warps, several, one in configs:
             backend = TritonAttnBackend(cfg, pool, table)
-            backend.decode_tiles = ((block_n, warps, several, one),) * 2
+            backend.decode_tiles = ((block_n, warps, several, one, backend.decode_tiles[0][4]),) * 2
             backend.prepare_metadata(batch)
             for i in range(3):
                 _layer(backend, q, k, v, i % LAYERS, batch)
