@@ -45,9 +45,9 @@ class Env:
     @property
     def decode_tile(self) -> str:
         """The decode attention's launches (MINISGL_DECODE_TILE): BLOCK_N:warps:stages in several
-        splits:stages in one[:programs an SM the split count aims for, 8 by default], for batches of
-        several requests, then for one request; e.g. 64:4:3:4,64:4:3:4 (the GPU tiling before 2026-12-03).
-        Empty: the tuned defaults (attention/triton_backend.py)."""
+        splits:stages in one[:programs an SM the split count aims for; by default 8, for batches over a
+        float8 pool 16], for batches of several requests, then for one request; e.g. 64:4:3:4,64:4:3:4 (the
+        GPU tiling before 2026-12-03). Empty: the tuned defaults (attention/triton_backend.py)."""
         return os.environ.get("MINISGL_DECODE_TILE", "").strip()
 
     @property

@@ -469,6 +469,32 @@ def test_decode_matches_reference(page_size, heads):
     _run_both(setup, setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * len(seq_lens)))
 
 
+@pytest.mark.parametrize("num_heads", [1, 3, 6, 16, 24])
+@pytest.mark.parametrize("num_splits", [2, 5, 40])
+def test_merge_of_several_heads_a_program_equals_the_log_sum_exp_merge(num_heads, num_splits):
+    """The merge kernel takes several query heads a program (a power of two dividing the head count, fewer
+    the more splits there are): every (request, head) still gets the log-sum-exp-weighted mean of exactly
+    the splits that hold keys of it (the rest hold NaN, as stage 1 leaves them)."""
+    from minisgl.kernel.triton.attention import merge_splits
+
+    block_n, seq_lens = 4, [1, 37, 160, 9]
+    bs, d = len(seq_lens), HEAD_DIM
+    mid_o = _randn(bs, num_heads, num_splits, d, seed=1)
+    mid_lse = _randn(bs, num_heads, num_splits, seed=2) * 4
+    want = torch.empty(bs, num_heads, d, device=DEVICE)
+    for b, n in enumerate(seq_lens):
+        chunk = math.ceil(math.ceil(n / num_splits) / block_n) * block_n
+        used = math.ceil(n / chunk)
+        mid_o[b, :, used:] = float("nan")
+        mid_lse[b, :, used:] = float("nan")
+        weight = torch.softmax(mid_lse[b, :, :used] * math.log(2), dim=1)  # 2^lse, normalised
+        want[b] = (weight[:, :, None] * mid_o[b, :, :used]).sum(1)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(bs, num_heads, d, device=DEVICE)
+    merge_splits(mid_o, mid_lse, lens, num_splits, out, block_n)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_sms", [1, 1000])
 def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sms, monkeypatch):
     """num_sms sets the split count (one program wanted per SM here): 1 split, or as many as there are
@@ -485,7 +511,8 @@ def test_decode_is_exact_with_one_split_and_with_many_mostly_empty_splits(num_sm
     assert (meta.mid_o is None) == (want == 1)  # one split writes the output directly
 
 
-@pytest.mark.parametrize("tiles", ["8:4:2:2,32:4:2:2", "32:4:2:2,8:4:2:2"])
+# 16 keys: the smallest block a GPU dot takes (tl.dot needs 16 on every side)
+@pytest.mark.parametrize("tiles", ["16:4:2:2,32:4:2:2", "32:4:2:2,16:4:2:2"])
 def test_decode_tile_of_a_batch_and_of_one_request_each_cut_their_own_splits(tiles, monkeypatch):
     """MINISGL_DECODE_TILE sets one decode tile for batches of several requests and one for a single
     request (on an H200: 32-key blocks for batches, 64 for one request). Each cuts the splits in its own
@@ -539,7 +566,7 @@ def test_decode_tile_sets_the_programs_an_sm_its_split_count_aims_for(monkeypatc
     batch = setup.batch(Phase.DECODE, [n - 1 for n in seq_lens], [1] * 3)
     for tiles, splits in (("16:4:2:2,16:4:2:2", 6), ("16:4:2:2:1,16:4:2:2", 1), ("16:4:2:2:4,16:4:2:2", 3)):
         monkeypatch.setenv("MINISGL_DECODE_TILE", tiles)
-        _, meta = _run_both(setup, batch)
+        _, meta = _run_both(setup, batch, num_sms=4)  # 4 on a GPU too
         assert meta.num_splits == splits
     for bad in ("16:4:2:2", "16:4:2,16:4:2:2", "16:4:x:2,16:4:2:2", "0:4:2:2,16:4:2:2"):
         monkeypatch.setenv("MINISGL_DECODE_TILE", bad)

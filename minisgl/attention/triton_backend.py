@@ -40,14 +40,14 @@ _MAX_SPLITS = 64  # beyond this, stage 2 costs more than the extra parallelism g
 _EXTEND_PLAN = FusionPlan(kv_store_in_rotary=True)  # the extend kernel reads every key from the pool
 
 
-def parse_decode_tiles(value: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def parse_decode_tiles(value: str, defaults: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
     """MINISGL_DECODE_TILE: two tiles, for batches of several requests and for one request, each
-    BLOCK_N:warps:stages in several splits:stages in one[:programs an SM the split count aims for, _WAVES
-    where left out]."""
+    BLOCK_N:warps:stages in several splits:stages in one[:programs an SM the split count aims for, the
+    default tile's where left out]."""
     try:
         tiles = tuple(tuple(int(x) for x in t.split(":")) for t in value.split(","))
         if len(tiles) == 2 and all(len(t) in (4, 5) and min(t) > 0 for t in tiles):
-            return tuple(t + (_WAVES,) * (5 - len(t)) for t in tiles)
+            return tuple(t + d[len(t) :] for t, d in zip(tiles, defaults))
     except ValueError:
         pass
     raise ValueError(
@@ -105,8 +105,10 @@ class TritonAttnBackend(BaseAttnBackend):
             self.num_sms = torch.cuda.get_device_properties(config.device).multi_processor_count
             # tilings chosen with python -m minisgl.benchmark.attn_decode / attn_extend, W1 and W2
             # (docs/BENCHMARKS.md). Decode of several requests: 32-key blocks, one warp a program (its 16-row
-            # dot tiles need no cross-warp reductions); of one request: 64-key blocks, 4 warps
-            self.decode_tiles = ((32, 1, 3, 3, _WAVES), (64, 4, 3, 4, _WAVES))
+            # dot tiles need no cross-warp reductions); of one request: 64-key blocks, 4 warps. A float8
+            # pool's programs read half the bytes: twice as many of them an SM (2 splits at batch 256)
+            waves = 2 * _WAVES if kv_pool.k_buffer.element_size() == 1 else _WAVES
+            self.decode_tiles = ((32, 1, 3, 3, waves), (64, 4, 3, 4, _WAVES))
             self.extend_blocks = (64, 64) if config.head_dim <= 128 else (64, 32)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         else:  # TRITON_INTERPRET: small tiles, so short test sequences still cross several tiles and splits
@@ -115,7 +117,7 @@ class TritonAttnBackend(BaseAttnBackend):
             self.extend_blocks = (16, 16)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         if ENV.decode_tile:
-            self.decode_tiles = parse_decode_tiles(ENV.decode_tile)
+            self.decode_tiles = parse_decode_tiles(ENV.decode_tile, self.decode_tiles)
         # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
         self.layer_kernel = ENV.layer_kernel
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot

@@ -6,7 +6,8 @@ python -m minisgl.benchmark.attn_decode --batch 64 --context 1500
 python -m minisgl.benchmark.attn_decode --batch 256 --min-context 100 --context 2048 [--longest-first]
 python -m minisgl.benchmark.attn_decode --batch 256 --context 600 --kv-dtype bf16,fp8_e4m3 --configs 64:4:3:4,32:1:3:3
 (--min-context: lengths uniform in [min, context], in random order or longest first, as the scheduler
-orders decode batches; --configs: BLOCK_N:warps:stages with several splits:stages with one.) Prints
+orders decode batches; --configs: BLOCK_N:warps:stages with several splits:stages with one[:programs an
+SM the split count aims for, the backend's where left out].) Prints
 microseconds per layer (one layer = one store + split + merge, timed as a CUDA graph of --repeat layers)
 and the K/V bytes read per second."""
 
@@ -69,7 +70,9 @@ def main() -> None:
     ap.add_argument("--longest-first", action="store_true", help="order the batch by length, longest first")
     ap.add_argument("--kv-dtype", default="bf16", help="comma-separated pool dtypes: bf16, fp8_e4m3")
     ap.add_argument(
-        "--configs", default=CONFIGS, help="comma-separated BLOCK_N:warps:stages:stages-at-one-split"
+        "--configs",
+        default=CONFIGS,
+        help="comma-separated BLOCK_N:warps:stages:stages-at-one-split[:programs an SM]",
     )
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -86,9 +89,10 @@ def main() -> None:
         kv_dtype = KV_DTYPES[kv_name]
         cfg, pool, table, batch = _setup(lens, device, kv_dtype)
         gb = sum(lens) * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize / 1e9
-        for block_n, warps, several, one in configs:
+        for config in configs:
             backend = TritonAttnBackend(cfg, pool, table)
-            backend.decode_tiles = ((block_n, warps, several, one, backend.decode_tiles[0][4]),) * 2
+            block_n, warps, several, one, waves = (config + backend.decode_tiles[0][len(config) :])[:5]
+            backend.decode_tiles = ((block_n, warps, several, one, waves),) * 2
             backend.prepare_metadata(batch)
             for i in range(3):
                 _layer(backend, q, k, v, i % LAYERS, batch)
@@ -106,8 +110,8 @@ def main() -> None:
             us = start.elapsed_time(end) / args.repeat * 1e3
             print(
                 f"batch {args.batch} x {lo}..{args.context} keys, {kv_name} pool, "
-                f"{batch.attn_metadata.num_splits} splits, BLOCK_N {block_n}, {warps} warps, stages "
-                f"{several}/{one}: {us:.1f} us a layer ({gb / us * 1e3:.2f} TB/s of K/V)",
+                f"{batch.attn_metadata.num_splits} splits ({waves} programs an SM), BLOCK_N {block_n}, "
+                f"{warps} warps, stages {several}/{one}: {us:.1f} us a layer ({gb / us * 1e3:.2f} TB/s of K/V)",
                 flush=True,
             )
 

@@ -29,6 +29,7 @@ from .rotary import rope_consts, rope_rows
 if TYPE_CHECKING:
     from minisgl.kernel import Rope
 
+_MERGE_ROWS = 32  # (head, split) rows of partial outputs one merge program holds
 _LOG2E = 1.4426950408889634
 
 
@@ -166,23 +167,25 @@ def _split_len(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, stride_mb, stride_mh, stride_ms,
                          stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, D, BLOCK_N: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Program (request, query head): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over
-    the splits that hold keys (stage 1 wrote nothing for the others)."""
+                         HEADS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Program (request, HEADS query heads): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
+    over the splits that hold keys (stage 1 wrote nothing for the others)."""
     gdc_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # HEADS divides the head count: no mask
     seq_len = tl.load(seq_lens_ptr + b)
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < D
-    lse = tl.load(mid_lse_ptr + b * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # masked splits (-inf) weigh 0; split 0 always holds keys
-    o = tl.load(mid_o_ptr + b * stride_mb + head * stride_mh + splits[:, None] * stride_ms + dims[None, :],
-                mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    lse = tl.load(mid_lse_ptr + b * stride_lb + heads[:, None] * stride_lh + splits[None, :],
+                  mask=split_mask[None, :], other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 1)[:, None])  # masked splits (-inf) weigh 0; split 0 always holds keys
+    o = tl.load(mid_o_ptr + b * stride_mb + heads[:, None, None] * stride_mh + splits[None, :, None] * stride_ms
+                + dims[None, None, :], mask=split_mask[None, :, None] & dim_mask[None, None, :], other=0.0)
+    out = tl.sum(weight[:, :, None] * o, 1) / tl.sum(weight, 1)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask[None, :])
 
 
 # ---- prefill / extend ----------------------------------------------------------------------------------
@@ -315,11 +318,16 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, seq_lens: torch.Ten
                  out: torch.Tensor, block_n: int) -> torch.Tensor:
     """Stage 2 of split-KV decode: out [B, Hq, D] = the splits decode_split cut (whole blocks of block_n
     keys) merged by their log-sum-exps; returns out."""
-    _decode_merge_kernel[out.shape[:2]](
+    bs, num_heads = out.shape[:2]
+    block_s = triton.next_power_of_2(num_splits)
+    # a program merges several heads (fewer, fuller programs), the largest power of two dividing the head
+    # count with at most _MERGE_ROWS (head, split) rows of partial outputs in registers
+    heads = min(num_heads & -num_heads, max(1, _MERGE_ROWS // block_s))
+    _decode_merge_kernel[(bs, num_heads // heads)](
         mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, out.shape[2], BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(out.shape[2]), PDL=pdl(out),
-        num_warps=4, **launch_opts(out))
+        mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, out.shape[2], BLOCK_N=block_n, HEADS=heads,
+        BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(out.shape[2]), PDL=pdl(out), num_warps=4,
+        **launch_opts(out))
     return out
 
 
