@@ -1,0 +1,32 @@
+"""The offline SASS report of the decode attention kernel (benchmark/sass.py): compiled for Hopper with
+Triton's own ptxas, no GPU needed. Its counts are checked against a hand count of the tile's work."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from minisgl.benchmark import sass
+
+pytestmark = pytest.mark.skipif(
+    not all(os.path.exists(sass._tool(t)) for t in ("ptxas", "cuobjdump")),
+    reason="this Triton has no NVIDIA tools",
+)
+
+
+@pytest.mark.parametrize("kv_dtype, value_bytes", [("bf16", 2), ("fp8_e4m3", 1)])
+@pytest.mark.parametrize("block_n, warps", [(32, 1), (64, 4)])
+def test_the_key_loop_runs_the_tiles_mmas_and_loads_each_key_once(kv_dtype, value_bytes, block_n, warps):
+    """One iteration over block_n keys: q [16, 128] K^T and P [16, block_n] V in m16n8k16 MMAs, split over
+    the warps: 16/16 x block_n/8 x 128/16 + 16/16 x 128/8 x block_n/16 = 2 block_n MMAs, each warp's share
+    per thread; K and V (block_n x 128 values each) loaded once across the program's threads, plus the
+    keys' page-table slots."""
+    r = sass.report(sass.compile_decode(kv_dtype, block_n, warps, 3))
+    mmas = sum(n for op, n in r.loop.items() if op.startswith("HMMA.16816"))
+    assert mmas == 2 * block_n // warps
+    kv_bytes = 2 * block_n * 128 * value_bytes // (32 * warps)
+    assert kv_bytes <= r.global_bytes < kv_bytes + 64
+    assert 0 < r.registers <= 255 and r.shared_bytes > 0
