@@ -91,6 +91,10 @@ def compile_decode(
 ):
     """The compiled decode kernel (Triton's CompiledKernel) for a pool of kv_dtype and the given tile."""
     fn = attention._decode_split_kernel
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise TypeError(
+            "the kernels were defined for Triton's interpreter (TRITON_INTERPRET=1): nothing to compile"
+        )
     kv = KV_TYPES[kv_dtype]
     sig, constants, aligned = _signature(kv, direct)
     constants.update(
