@@ -44,6 +44,11 @@ class LoopReport:
     def instructions(self) -> int:
         return sum(self.loop.values())
 
+    @property
+    def mmas(self) -> int:
+        """Tensor-core MMAs (m16n8k16, any input type) in one iteration."""
+        return sum(n for op, n in self.loop.items() if op.startswith("HMMA.16816"))
+
 
 def _signature(kv: str, direct: bool) -> tuple[dict, dict, dict]:
     fn = attention._decode_split_kernel
@@ -163,7 +168,7 @@ def main() -> None:
             print(
                 f"{kv} pool, BLOCK_N {block_n}, {warps} warps, {stages} stages: {r.registers} registers, "
                 f"{r.stack_bytes} B of stack, {r.shared_bytes} B shared; a loop iteration: {r.instructions} "
-                f"instructions a thread for {r.global_bytes} B loaded, {r.loop['HMMA.16816.F32'] + r.loop['HMMA.16816.F32.BF16']} "
+                f"instructions a thread for {r.global_bytes} B loaded, {r.mmas} "
                 f"MMAs; most frequent: {mix}",
                 flush=True,
             )
