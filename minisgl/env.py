@@ -51,6 +51,12 @@ class Env:
         return os.environ.get("MINISGL_DECODE_TILE", "").strip()
 
     @property
+    def fp8_v_bytes(self) -> bool:
+        """Decode attention over a float8 pool reads V as float8 bytes, converted after the dot operand's
+        transpose, as before 2026-12-03 (MINISGL_FP8_V_BYTES=1; default: 32-bit words converted first)."""
+        return _flag("MINISGL_FP8_V_BYTES")
+
+    @property
     def check_integrity(self) -> bool:
         """Fail (not just log) when the idle-time KV integrity check finds a leak; tests set it."""
         return _flag("MINISGL_STRICT_INTEGRITY")

@@ -17,11 +17,14 @@ attention/triton_backend.py plans the launches (split counts, tiles, buffers, CU
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+from minisgl.env import ENV
 
 from .launch import gdc_begin, launch_opts, pdl
 from .rotary import rope_consts, rope_rows
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
 
 _MERGE_ROWS = 32  # (head, split) rows of partial outputs one merge program holds
 _LOG2E = 1.4426950408889634
+# a float8 pool's V read as 32-bit words, converted before the PV dot (MINISGL_FP8_V_BYTES=1: as float8
+# bytes, converted after it transposes them); cvt on a GPU, bit moves under Triton's interpreter
+_V_WORDS = tl.constexpr(not ENV.fp8_v_bytes)
+_CVT_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 # ---- decode --------------------------------------------------------------------------------------------
@@ -52,7 +59,7 @@ def _store_new_kv(k_row, v_row, stride_knh, stride_vnh, k_cache_ptr, v_cache_ptr
 
 @triton.jit
 def _attend_split(q, k_cache_ptr, v_cache_ptr, pt_row_ptr, start, end, kv_head, stride_kt, stride_kh, stride_vt,
-                  stride_vh, scale_log2, dims, dim_mask, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  stride_vh, scale_log2, dims, dim_mask, D, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query heads q [BLOCK_H, BLOCK_D] over keys start..end of one request:
     (running max, running sum, unnormalised output), in float32. The dots take q's dtype (the caller
@@ -60,6 +67,7 @@ def _attend_split(q, k_cache_ptr, v_cache_ptr, pt_row_ptr, start, end, kv_head, 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    word_mask = tl.arange(0, BLOCK_D // 4) < D // 4  # a float8 row's 32-bit words (D % 4 == 0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_mask = offs_n < end
@@ -73,11 +81,48 @@ def _attend_split(q, k_cache_ptr, v_cache_ptr, pt_row_ptr, start, end, kv_head, 
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
+        if _V_WORDS and v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            v = _e4m3_words(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh,
+                            key_mask[:, None] & word_mask[None, :], BLOCK_N, BLOCK_D)
+        else:
+            v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                        mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _e4m3_words(rows, mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """V's block [BLOCK_N keys, BLOCK_D] of a float8 e4m3 pool in fp16, read as 32-bit words and converted in
+    registers. Converted before the dot, the values reach its operand layout as 16-bit halves, which
+    ldmatrix transposes; float8 bytes would be transposed one byte at a time (a float8 tl.load is converted
+    after that layout change, however it is written). A GPU converts with cvt (two bytes an instruction;
+    each word is repeated over its four elements, pack=4 hands the four to one asm); the interpreter places
+    e4m3's sign, exponent and mantissa bits in fp16's, which gives the value times 2^-8 (fp16's exponent
+    bias is 8 more)."""
+    words = tl.arange(0, BLOCK_D // 4)
+    w = tl.load(rows.to(tl.pointer_type(tl.int32)) + words[None, :], mask=mask, other=0)
+    if _CVT_ASM:
+        w4 = tl.reshape(tl.broadcast_to(w[:, :, None], [BLOCK_N, BLOCK_D // 4, 4]), [BLOCK_N, BLOCK_D])
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r,r,r,r", [w4], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        even = w & 0x00FF00FF  # bytes 0 and 2 (d = 4j, 4j + 2) in the low byte of each half
+        odd = (w >> 8) & 0x00FF00FF  # bytes 1 and 3
+        even = ((even & 0x00800080) << 8) | ((even & 0x007F007F) << 7)  # fp16 bit patterns, two a word
+        odd = ((odd & 0x00800080) << 8) | ((odd & 0x007F007F) << 7)
+        # [keys, word j, a, b] holds d = 4j + 2a + b: b = 0 the even bytes, a = 0 a word's low half
+        v = tl.join(tl.join(_half(even), _half(even >> 16)), tl.join(_half(odd), _half(odd >> 16)))
+        v = tl.reshape(v, [BLOCK_N, BLOCK_D]) * 256.0
+    return v
+
+
+@triton.jit
+def _half(bits):
+    """The fp16 whose bit pattern is the low 16 bits of bits (int32)."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -148,7 +193,7 @@ def _attend_program(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_p
             q = q.to(DOT)
         m_i, l_i, acc = _attend_split(q, k_cache_ptr, v_cache_ptr, page_table_ptr + row * stride_pt, start, end,
                                       kv_head, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, dims,
-                                      dim_mask, BLOCK_H, BLOCK_N, BLOCK_D, PRECISION)
+                                      dim_mask, D, BLOCK_H, BLOCK_N, BLOCK_D, PRECISION)
         out = acc / l_i[:, None]
         mid = (mid_o_ptr + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
                + dims[None, :])
@@ -296,6 +341,8 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_kv_heads = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    # a float8 V is read in 32-bit words (_e4m3_words): whole words per head, rows 4-byte aligned
+    assert v_cache.element_size() > 1 or (head_dim % 4 == 0 and v_cache.stride(0) % 4 == v_cache.stride(1) % 4 == 0)
     if new_kv is not None:
         rope, k, v, out_loc = new_kv
         assert k.stride(-1) == 1 and v.stride(-1) == 1
