@@ -210,15 +210,17 @@ def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
 HEADS = [(32, 8, 128), (16, 8, 128), (14, 2, 64), (64, 8, 128)]  # Llama-8B, Qwen3-0.6B, Qwen2-0.5B, 70B/TP1
 
 
-def _paged(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_lens, max_seq: int):
-    """A bf16 pool with random contents and a page table whose requests own shuffled pages."""
+def _paged(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_lens, max_seq: int,
+           kv_dtype=torch.bfloat16):
+    """A pool (bf16 unless kv_dtype) with random contents and a page table whose requests own shuffled
+    pages."""
     from minisgl.attention.base import AttnConfig
     from minisgl.kvcache.pool import KVPool
 
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 8
-    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, torch.bfloat16, torch.device("cuda"))
-    pool.k_buffer.normal_()
-    pool.v_buffer.normal_()
+    pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, torch.device("cuda"))
+    pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, device="cuda"))
+    pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, device="cuda"))
     table = torch.zeros(len(seq_lens), max_seq, dtype=torch.int32, device="cuda")
     pages = torch.randperm(num_pages, device="cuda").to(torch.int32)
     used = 0
@@ -272,6 +274,24 @@ def test_decode_matches_torch_backend_at_model_shapes(page_size, heads, batch_si
     if batch_size > 1:
         seq_lens[1] = 1
     config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len)
+    _compare_backends(
+        config, pool, table, _batch(Phase.DECODE, table, [n - 1 for n in seq_lens], [1] * batch_size)
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", HEADS + [(8, 4, 256)], ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("batch_size", [1, 33, 256])
+def test_decode_over_a_float8_pool_matches_torch_backend_at_model_shapes(page_size, heads, batch_size):
+    """--kv-cache-dtype fp8_e4m3: V converts to fp16 from 32-bit words before the PV dots (one dot per dim
+    class d % 4), K in the dot; up to 5,000 keys."""
+    torch.manual_seed(batch_size)
+    max_len = 5000 if batch_size <= 33 else 1024
+    seq_lens = torch.randint(1, max_len + 1, (batch_size,)).tolist()
+    seq_lens[0] = max_len
+    if batch_size > 1:
+        seq_lens[1] = 1
+    config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len, kv_dtype=torch.float8_e4m3fn)
     _compare_backends(
         config, pool, table, _batch(Phase.DECODE, table, [n - 1 for n in seq_lens], [1] * batch_size)
     )

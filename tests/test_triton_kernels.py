@@ -358,11 +358,12 @@ class PagedSetup:
         seq_lens,
         seed: int = 0,
         kv_dtype=torch.float32,
+        head_dim: int = HEAD_DIM,
     ) -> None:
         g = torch.Generator().manual_seed(seed)
         num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-        self.config = AttnConfig(num_heads, num_kv_heads, HEAD_DIM, MAX_SEQ, DEVICE, torch.float32)
-        self.pool = KVPool(1, num_pages, page_size, num_kv_heads, HEAD_DIM, kv_dtype, DEVICE)
+        self.config = AttnConfig(num_heads, num_kv_heads, head_dim, MAX_SEQ, DEVICE, torch.float32)
+        self.pool = KVPool(1, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, DEVICE)
         self.pool.k_buffer.copy_(torch.randn(self.pool.k_buffer.shape, generator=g))
         self.pool.v_buffer.copy_(torch.randn(self.pool.v_buffer.shape, generator=g))
         rows = len(seq_lens) + 2
@@ -635,20 +636,22 @@ def test_decode_graph_metadata_is_exact_for_any_length_below_max_seq_len():
 
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
-def test_fp8_pool_holds_rounded_kv_and_attention_reads_it_upcast(phase, qdtype):
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_fp8_pool_holds_rounded_kv_and_attention_reads_it_upcast(phase, qdtype, head_dim):
     """--kv-cache-dtype fp8_e4m3: the new K/V land in the pool rounded to float8 e4m3 as torch rounds them
     (checked on a GPU: the interpreter's emulated cast rounds values just below a power of two down to the
     power below), and decode and extend attend over the pool's values upcast: the naive reference over
     the same pool in float32, and the torch backend. bf16 queries attend in fp16 over a float8 pool (its
-    one-instruction conversion): a bf16 tolerance."""
+    one-instruction conversion): a bf16 tolerance. Heads of 64 dims and more take V's fp16 conversion
+    before the PV dots, one dot per dim class d % 4 (attention._e4m3_quarters)."""
     prefix_lens, extend_lens = ([12, 40, 0], [1, 1, 1]) if phase == Phase.DECODE else ([0, 13], [20, 9])
     lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    setup = PagedSetup(4, 4, 2, lens, kv_dtype=torch.float8_e4m3fn)
+    setup = PagedSetup(4, 4, 2, lens, kv_dtype=torch.float8_e4m3fn, head_dim=head_dim)
     batch = setup.batch(phase, prefix_lens, extend_lens)
     T, cfg = batch.num_tokens, dataclasses.replace(setup.config, dtype=qdtype)
-    q = _randn(T, cfg.num_heads, HEAD_DIM, seed=1, dtype=qdtype)
-    k = (_randn(T, cfg.num_kv_heads, HEAD_DIM, seed=2) * 3).to(qdtype)
-    v = _randn(T, cfg.num_kv_heads, HEAD_DIM, seed=3, dtype=qdtype)
+    q = _randn(T, cfg.num_heads, head_dim, seed=1, dtype=qdtype)
+    k = (_randn(T, cfg.num_kv_heads, head_dim, seed=2) * 3).to(qdtype)
+    v = _randn(T, cfg.num_kv_heads, head_dim, seed=3, dtype=qdtype)
     backend = TritonAttnBackend(cfg, setup.pool, setup.page_table)
     backend.prepare_metadata(batch)
     out = backend.forward(q, k, v, 0, batch).float()
@@ -659,7 +662,7 @@ def test_fp8_pool_holds_rounded_kv_and_attention_reads_it_upcast(phase, qdtype):
         assert torch.equal(setup.pool.v(0)[loc].float(), v.to(fp8).float())
     assert not torch.equal(setup.pool.k(0)[loc].float(), k.float())  # rounded: 3 mantissa bits
     pool_k, pool_v = setup.pool.k(0).float(), setup.pool.v(0).float()
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     want = naive_attention(
         q.float(), pool_k, pool_v, setup.page_table, setup.rows, prefix_lens, extend_lens, scale
     )

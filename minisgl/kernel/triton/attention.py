@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 _MERGE_ROWS = 32  # (head, split) rows of partial outputs one merge program holds
 _LOG2E = 1.4426950408889634
-# a float8 pool's V read as 32-bit words, converted before the PV dot (MINISGL_FP8_V_BYTES=1: as float8
-# bytes, converted after it transposes them); cvt on a GPU, bit moves under Triton's interpreter
+# a float8 pool's V converted to fp16 before the PV dots (_e4m3_quarters; MINISGL_FP8_V_BYTES=1: after, as
+# before 2026-12-03); on a GPU from 32-bit words by cvt, which Triton's interpreter does not run
 _V_WORDS = tl.constexpr(not ENV.fp8_v_bytes)
 _CVT_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
@@ -63,66 +63,87 @@ def _attend_split(q, k_cache_ptr, v_cache_ptr, pt_row_ptr, start, end, kv_head, 
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query heads q [BLOCK_H, BLOCK_D] over keys start..end of one request:
     (running max, running sum, unnormalised output), in float32. The dots take q's dtype (the caller
-    casts q: fp16 over a float8 pool, whose values convert to fp16 in one instruction)."""
+    casts q: fp16 over a float8 pool, whose values convert to fp16 in one instruction). A float8 e4m3 V
+    goes through _e4m3_quarters (heads of 64 dims and more)."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    word_mask = tl.arange(0, BLOCK_D // 4) < D // 4  # a float8 row's 32-bit words (D % 4 == 0)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_mask = offs_n < end
-        slots = tl.load(pt_row_ptr + offs_n, mask=key_mask, other=0).to(tl.int64)
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
-        qk = tl.where(key_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block in the loop holds a real key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if _V_WORDS and v_cache_ptr.dtype.element_ty == tl.float8e4nv:
-            v = _e4m3_words(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh,
-                            key_mask[:, None] & word_mask[None, :], BLOCK_N, BLOCK_D)
-        else:
+    if _V_WORDS and v_cache_ptr.dtype.element_ty == tl.float8e4nv and BLOCK_D >= 64:
+        # one accumulator per dim class d % 4 (acc_r[:, i] is dim 4i + r), interleaved at the end
+        acc0 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+        word_mask = tl.arange(0, BLOCK_D // 4) < D // 4  # the row's 32-bit words (D % 4 == 0)
+        for n0 in range(start, end, BLOCK_N):
+            slots, key_mask, p, alpha, m_i, l_i = _block_scores(q, k_cache_ptr, pt_row_ptr, n0, end, kv_head,
+                                                                stride_kt, stride_kh, scale_log2, dims, dim_mask,
+                                                                m_i, l_i, BLOCK_N, PRECISION)
+            v0, v1, v2, v3 = _e4m3_quarters(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh,
+                                            key_mask[:, None] & word_mask[None, :], BLOCK_D)
+            p = p.to(q.dtype)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, v0.to(q.dtype), input_precision=PRECISION)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, v1.to(q.dtype), input_precision=PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, v2.to(q.dtype), input_precision=PRECISION)
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, v3.to(q.dtype), input_precision=PRECISION)
+        # [head, i, a, b] is dim 4i + 2a + b
+        acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_H, BLOCK_D])
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            slots, key_mask, p, alpha, m_i, l_i = _block_scores(q, k_cache_ptr, pt_row_ptr, n0, end, kv_head,
+                                                                stride_kt, stride_kh, scale_log2, dims, dim_mask,
+                                                                m_i, l_i, BLOCK_N, PRECISION)
             v = tl.load(v_cache_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+                        mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _e4m3_words(rows, mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """V's block [BLOCK_N keys, BLOCK_D] of a float8 e4m3 pool in fp16, read as 32-bit words and converted in
-    registers. Converted before the dot, the values reach its operand layout as 16-bit halves, which
-    ldmatrix transposes; float8 bytes would be transposed one byte at a time (a float8 tl.load is converted
-    after that layout change, however it is written). A GPU converts with cvt (two bytes an instruction;
-    each word is repeated over its four elements, pack=4 hands the four to one asm); the interpreter places
-    e4m3's sign, exponent and mantissa bits in fp16's, which gives the value times 2^-8 (fp16's exponent
-    bias is 8 more)."""
-    words = tl.arange(0, BLOCK_D // 4)
-    w = tl.load(rows.to(tl.pointer_type(tl.int32)) + words[None, :], mask=mask, other=0)
+def _block_scores(q, k_cache_ptr, pt_row_ptr, n0, end, kv_head, stride_kt, stride_kh, scale_log2, dims, dim_mask,
+                  m_i, l_i, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The key block at n0 of the online softmax: its pool slots, which of its keys are before end, the
+    probabilities p (against the new running max), the old sum's rescale alpha, the new max and sum."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    key_mask = offs_n < end
+    slots = tl.load(pt_row_ptr + offs_n, mask=key_mask, other=0).to(tl.int64)
+    k = tl.load(k_cache_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2
+    qk = tl.where(key_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block in the loop holds a real key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return slots, key_mask, p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _e4m3_quarters(rows, mask, BLOCK_D: tl.constexpr):
+    """A block of float8 e4m3 V rows (rows: each key's first byte) as four fp16 [keys, BLOCK_D // 4], dims
+    4i, 4i + 1, 4i + 2 and 4i + 3. A float8 tl.load feeding a dot is converted after Triton moves it into
+    the dot's operand layout, and 8-bit values have no transposing ldmatrix, so V was transposed a byte
+    at a time; converted first, it reaches that layout as fp16, which ldmatrix transposes. On a GPU each
+    32-bit word (mask: [keys, BLOCK_D // 4]) converts in two cvt instructions, an fp16 pair each; the
+    interpreter reads the four classes byte by byte."""
+    words = 4 * tl.arange(0, BLOCK_D // 4)
     if _CVT_ASM:
-        w4 = tl.reshape(tl.broadcast_to(w[:, :, None], [BLOCK_N, BLOCK_D // 4, 4]), [BLOCK_N, BLOCK_D])
-        v = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r,r,r,r", [w4], dtype=tl.float16, is_pure=True, pack=4)
+        w = tl.load(rows.to(tl.pointer_type(tl.int32)) + tl.arange(0, BLOCK_D // 4)[None, :], mask=mask, other=0)
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+            "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        v0, v1, v2, v3 = _half(lo), _half(lo >> 16), _half(hi), _half(hi >> 16)
     else:
-        even = w & 0x00FF00FF  # bytes 0 and 2 (d = 4j, 4j + 2) in the low byte of each half
-        odd = (w >> 8) & 0x00FF00FF  # bytes 1 and 3
-        even = ((even & 0x00800080) << 8) | ((even & 0x007F007F) << 7)  # fp16 bit patterns, two a word
-        odd = ((odd & 0x00800080) << 8) | ((odd & 0x007F007F) << 7)
-        # [keys, word j, a, b] holds d = 4j + 2a + b: b = 0 the even bytes, a = 0 a word's low half
-        v = tl.join(tl.join(_half(even), _half(even >> 16)), tl.join(_half(odd), _half(odd >> 16)))
-        v = tl.reshape(v, [BLOCK_N, BLOCK_D]) * 256.0
-    return v
+        v0 = tl.load(rows + words[None, :], mask=mask, other=0.0).to(tl.float16)
+        v1 = tl.load(rows + words[None, :] + 1, mask=mask, other=0.0).to(tl.float16)
+        v2 = tl.load(rows + words[None, :] + 2, mask=mask, other=0.0).to(tl.float16)
+        v3 = tl.load(rows + words[None, :] + 3, mask=mask, other=0.0).to(tl.float16)
+    return v0, v1, v2, v3
 
 
 @triton.jit
 def _half(bits):
     """The fp16 whose bit pattern is the low 16 bits of bits (int32)."""
-    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -341,7 +362,7 @@ def decode_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_kv_heads = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
-    # a float8 V is read in 32-bit words (_e4m3_words): whole words per head, rows 4-byte aligned
+    # a float8 V is read in 32-bit words (_e4m3_quarters): whole words per head, rows 4-byte aligned
     assert v_cache.element_size() > 1 or (head_dim % 4 == 0 and v_cache.stride(0) % 4 == v_cache.stride(1) % 4 == 0)
     if new_kv is not None:
         rope, k, v, out_loc = new_kv
