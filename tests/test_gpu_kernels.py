@@ -210,8 +210,15 @@ def test_store_kv_writes_exactly_the_given_slots_in_a_large_pool():
 HEADS = [(32, 8, 128), (16, 8, 128), (14, 2, 64), (64, 8, 128)]  # Llama-8B, Qwen3-0.6B, Qwen2-0.5B, 70B/TP1
 
 
-def _paged(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_lens, max_seq: int,
-           kv_dtype=torch.bfloat16):
+def _paged(
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_lens,
+    max_seq: int,
+    kv_dtype=torch.bfloat16,
+):
     """A pool (bf16 unless kv_dtype) with random contents and a page table whose requests own shuffled
     pages."""
     from minisgl.attention.base import AttnConfig
