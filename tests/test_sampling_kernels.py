@@ -209,6 +209,32 @@ def test_kernel_equals_reference_token_for_token(kind):
     assert got[greedy].tolist() == logits[greedy].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("has_top_k,has_top_p", [(False, False), (True, False), (False, True)])
+def test_kernel_skips_the_searches_no_row_needs(has_top_k, has_top_p):
+    """A batch where no row sets top-k (or top-p) launches no search for it; with neither, the draw takes
+    the row's max and min-p floor from the stats itself. Min-p, greedy, seeded and unseeded rows, against
+    the reference token for token."""
+    ops = _kernels()
+    s, vocab = 28, 300
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(s, vocab, generator=g) * 0.5  # flat: min-p 0.5-0.9 drops most of each row
+    rows = _random_rows(s, vocab, seed=4)
+    rows = rows._replace(
+        top_k=rows.top_k if has_top_k else torch.full_like(rows.top_k, vocab),
+        top_p=rows.top_p if has_top_p else torch.ones_like(rows.top_p),
+        min_p=torch.where(rows.min_p > 0, torch.rand(s, generator=g) * 0.4 + 0.5, 0.0),
+        has_top_k=has_top_k,
+        has_top_p=has_top_p,
+    )
+    want = ref.sample(logits, rows)
+    unfloored = ref.sample(logits, rows._replace(min_p=torch.zeros_like(rows.min_p)))
+    assert (want != unfloored).any() and (rows.temperature == 0).any()  # min-p decides some draws
+    got = ops.sample(logits, rows, chunk=128)
+    assert got.tolist() == want.tolist()
+    greedy = rows.temperature == 0
+    assert got[greedy].tolist() == logits[greedy].argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("rounds", [2, 4])
 def test_top_p_rounds_and_their_fallback(rounds, monkeypatch):
     """Top-p through the rounds (a candidate accepted once the mass above it is below top_p) and through

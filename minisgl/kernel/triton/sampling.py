@@ -8,7 +8,8 @@ still spreads over many SMs, and small per-row state passes between launches:
    and finds the bracket's smallest and largest value; the next launch's programs each merge the row's
    chunks (the same arithmetic in every program, so they agree) and keep the sub-interval holding the
    boundary. A row stops once no two distinct values are left inside (exact: ties stay together);
-   ITERS passes per threshold at most;
+   ITERS passes per threshold at most. A filter no row of the batch sets launches no pass; with
+   neither, the draw takes each row's max and min-p floor from the stats itself;
 3. the draw: per chunk the argmax of p / E over the kept tokens, E ~ Exp(1) from a counter-based hash of
    the row's keys and the token id (kernel/reference.py's formula), then the best chunk per row.
 The torch reference (kernel/reference.py `sample`) computes the same kept set by sorting.
@@ -152,6 +153,24 @@ def _chunk_pass(base, c, V, lo, hi, zlo, floor, m, scale, part, MASS: tl.constex
 
 
 @triton.jit
+def _row_stats(spart_ptr, min_p_ptr, info_ptr, row, c, C, V, t, BLOCK_C: tl.constexpr):
+    """The row's max m, its min-p floor (-inf: none) and a value below every finite token, from its
+    chunks' stats; chunk 0 stores m, the floor and the greedy token (the first index of m) in info."""
+    cc = tl.arange(0, BLOCK_C)
+    stats = spart_ptr + (row * C + cc) * 4
+    maxes = tl.load(stats, mask=cc < C, other=float("-inf"))
+    m = tl.max(maxes, 0)
+    tok = tl.min(tl.where(maxes == m, tl.load(stats + 1, mask=cc < C, other=V), V), 0)
+    lowest = tl.min(tl.load(stats + 2, mask=cc < C, other=float("inf")), 0)
+    min_p = tl.load(min_p_ptr + row)
+    floor = tl.where(min_p > 0.0, m + t * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))  # 0: none
+    tl.store(info_ptr + row * 4, m, mask=c == 0)
+    tl.store(info_ptr + row * 4 + 1, floor, mask=c == 0)
+    tl.store(info_ptr + row * 4 + 2, tok, mask=c == 0)
+    return m, floor, lowest - (1.0 + tl.abs(lowest)) * 0.001
+
+
+@triton.jit
 def _search_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr, spart_ptr, info_ptr, state_in,
                    state_out, part_in, part_out, fin_ptr, C, START: tl.constexpr, MASS: tl.constexpr,
                    CHUNK: tl.constexpr, SUB: tl.constexpr, PIVOTS: tl.constexpr, W: tl.constexpr,
@@ -165,18 +184,7 @@ def _search_kernel(x_ptr, stride_x, V, temp_ptr, top_p_ptr, min_p_ptr, top_k_ptr
     sampled, t, scale = _temperature(temp_ptr, row)
     zlo = float("inf")  # the kept mass is summed in top-p's first pass only
     if START == 0:
-        cc = tl.arange(0, BLOCK_C)
-        stats = spart_ptr + (row * C + cc) * 4
-        maxes = tl.load(stats, mask=cc < C, other=float("-inf"))
-        m = tl.max(maxes, 0)
-        tok = tl.min(tl.where(maxes == m, tl.load(stats + 1, mask=cc < C, other=V), V), 0)
-        lowest = tl.min(tl.load(stats + 2, mask=cc < C, other=float("inf")), 0)
-        min_p = tl.load(min_p_ptr + row)
-        floor = tl.where(min_p > 0.0, m + t * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))  # 0: none
-        tl.store(info_ptr + row * 4, m, mask=c == 0)
-        tl.store(info_ptr + row * 4 + 1, floor, mask=c == 0)
-        tl.store(info_ptr + row * 4 + 2, tok, mask=c == 0)
-        lo = lowest - (1.0 + tl.abs(lowest)) * 0.001  # below every finite token
+        m, floor, lo = _row_stats(spart_ptr, min_p_ptr, info_ptr, row, c, C, V, t, BLOCK_C)
         hi = m
         k = tl.load(top_k_ptr + row)
         goal = k.to(tl.float32)
@@ -221,20 +229,25 @@ def _race(x, offs, lo, m, scale, k0, k1):
 
 @triton.jit
 def _draw_kernel(x_ptr, stride_x, V, temp_ptr, seed_ptr, counter_ptr, step_ptr, info_ptr, state_in, part_in,
-                 dpart_ptr, fin_ptr, C, CHUNK: tl.constexpr, SUB: tl.constexpr, PIVOTS: tl.constexpr,
-                 W: tl.constexpr, BLOCK_C: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                 dpart_ptr, fin_ptr, spart_ptr, min_p_ptr, C, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                 PIVOTS: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, ROUNDS: tl.constexpr,
+                 STATS: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): the final bracket, then chunk c's best p / E over the kept tokens and its index
-    (ROUNDS: only for a row the top-p rounds left unresolved)."""
+    (ROUNDS: only for a row the top-p rounds left unresolved). STATS: no search ran (no row sets top-k
+    or top-p): the row's max, floor and bracket come from the stats, as the first search pass takes them."""
     gdc_begin(PDL)
     row, c = tl.program_id(0), tl.program_id(1)
-    sampled, _t, scale = _temperature(temp_ptr, row)
+    sampled, t, scale = _temperature(temp_ptr, row)
+    if STATS:
+        m, floor, lo = _row_stats(spart_ptr, min_p_ptr, info_ptr, row, c, C, V, t, BLOCK_C)
     if ROUNDS:
         sampled = sampled & (tl.load(fin_ptr + row * 8) == 2.0)
     best = tl.full([SUB], -1.0, tl.float32)
     best_i = tl.zeros([SUB], tl.int32)
     if sampled:
-        m, floor = tl.load(info_ptr + row * 4), tl.load(info_ptr + row * 4 + 1)
-        lo, _hi, _goal, _many = _decide(state_in, part_in, row, C, PIVOTS, W, BLOCK_C)
+        if not STATS:
+            m, floor = tl.load(info_ptr + row * 4), tl.load(info_ptr + row * 4 + 1)
+            lo, _hi, _goal, _many = _decide(state_in, part_in, row, C, PIVOTS, W, BLOCK_C)
         k0, k1 = _row_keys(tl.load(seed_ptr + row), tl.load(counter_ptr + row), tl.load(step_ptr))
         base = x_ptr + row.to(tl.int64) * stride_x
         for j in tl.static_range(CHUNK // SUB):
@@ -407,9 +420,12 @@ def sample(logits: torch.Tensor, rows, chunk: int = _CHUNK) -> torch.Tensor:
     _stats_kernel[grid](logits, logits.stride(0), v, spart, c, **shape)
     rounds = _ROUNDS if rows.has_top_p else 0
     fin = torch.empty(s, 8, dtype=f32, device=dev)
-    passes = [(0, False)] + [(1, False)] * ((_ITERS - 1) if rows.has_top_k else 0)
+    passes = []  # (START, MASS) of each search launch; none where no row sets top-k or top-p
+    if rows.has_top_k or rows.has_top_p:
+        passes = [(0, False)] + [(1, False)] * ((_ITERS - 1) if rows.has_top_k else 0)
     n_k, block_c = len(passes), triton.next_power_of_2(c)
-    passes += [(2, True)] + [(1, True)] * ((_ITERS - 1) if rows.has_top_p else 0)
+    if rows.has_top_p:
+        passes += [(2, True)] + [(1, True)] * (_ITERS - 1)
     search = dict(shape, num_warps=8)  # 4 tokens a thread: room for the per-lane pivot sums
     for i, (start, mass) in enumerate(passes):
         if i == n_k and rounds:
@@ -420,8 +436,8 @@ def sample(logits: torch.Tensor, rows, chunk: int = _CHUNK) -> torch.Tensor:
                              **search)
     last = (len(passes) - 1) % 2
     _draw_kernel[grid](logits, logits.stride(0), v, rows.temperature, rows.seed, rows.counter, rows.step_seed, info,
-                       state[last], part[last], dpart, fin, c, PIVOTS=_PIVOTS, W=w, BLOCK_C=block_c,
-                       ROUNDS=rounds > 0, **shape)
+                       state[last], part[last], dpart, fin, spart, rows.min_p, c, PIVOTS=_PIVOTS, W=w,
+                       BLOCK_C=block_c, ROUNDS=rounds > 0, STATS=not passes, **shape)
     _pick_kernel[(s,)](rows.temperature, info, dpart, fin, out, c, v, BLOCK_C=block_c, ROUNDS=rounds > 0,
                        PDL=pdl(logits), num_warps=1, **launch_opts(logits))
     return out
