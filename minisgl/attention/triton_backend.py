@@ -106,9 +106,12 @@ class TritonAttnBackend(BaseAttnBackend):
             # tilings chosen with python -m minisgl.benchmark.attn_decode / attn_extend, W1 and W2
             # (docs/BENCHMARKS.md). Decode of several requests: 32-key blocks, one warp a program (its 16-row
             # dot tiles need no cross-warp reductions); of one request: 64-key blocks, 4 warps. A float8
-            # pool's programs read half the bytes: twice as many of them an SM (2 splits at batch 256)
-            waves = 2 * _WAVES if kv_pool.k_buffer.element_size() == 1 else _WAVES
-            self.decode_tiles = ((32, 1, 3, 3, waves), (64, 4, 3, 4, _WAVES))
+            # pool's programs read half the bytes: twice as many of them an SM (2 splits at batch 256), with a
+            # two-stage key pipeline (W1 34,355 against 33,161 with three, run X3)
+            if kv_pool.k_buffer.element_size() == 1:
+                self.decode_tiles = ((32, 1, 2, 3, 2 * _WAVES), (64, 4, 3, 4, _WAVES))
+            else:
+                self.decode_tiles = ((32, 1, 3, 3, _WAVES), (64, 4, 3, 4, _WAVES))
             self.extend_blocks = (64, 64) if config.head_dim <= 128 else (64, 32)
             self.extend_launch = {"num_warps": 4, "num_stages": 2}
         else:  # TRITON_INTERPRET: small tiles, so short test sequences still cross several tiles and splits
