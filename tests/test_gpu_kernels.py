@@ -274,13 +274,18 @@ def _compare_backends(config, pool, table, batch):
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
 @pytest.mark.parametrize("batch_size", [1, 33, 256])
 def test_decode_matches_torch_backend_at_model_shapes(page_size, heads, batch_size):
+    _compare_decode(page_size, heads, batch_size, 4096 if batch_size <= 33 else 1024)
+
+
+def _compare_decode(page_size, heads, batch_size, max_len, kv_dtype=torch.bfloat16):
+    """A decode step of batch_size requests (one of max_len keys, one of 1, the rest random) over a
+    random pool: Triton backend against torch backend."""
     torch.manual_seed(batch_size)
-    max_len = 4096 if batch_size <= 33 else 1024
     seq_lens = torch.randint(1, max_len + 1, (batch_size,)).tolist()
     seq_lens[0] = max_len
     if batch_size > 1:
         seq_lens[1] = 1
-    config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len)
+    config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len, kv_dtype=kv_dtype)
     _compare_backends(
         config, pool, table, _batch(Phase.DECODE, table, [n - 1 for n in seq_lens], [1] * batch_size)
     )
@@ -292,16 +297,8 @@ def test_decode_matches_torch_backend_at_model_shapes(page_size, heads, batch_si
 def test_decode_over_a_float8_pool_matches_torch_backend_at_model_shapes(page_size, heads, batch_size):
     """--kv-cache-dtype fp8_e4m3: V converts to fp16 from 32-bit words before the PV dots (one dot per dim
     class d % 4), K in the dot; up to 5,000 keys."""
-    torch.manual_seed(batch_size)
     max_len = 5000 if batch_size <= 33 else 1024
-    seq_lens = torch.randint(1, max_len + 1, (batch_size,)).tolist()
-    seq_lens[0] = max_len
-    if batch_size > 1:
-        seq_lens[1] = 1
-    config, pool, table = _paged(page_size, *heads, seq_lens, max_seq=max_len, kv_dtype=torch.float8_e4m3fn)
-    _compare_backends(
-        config, pool, table, _batch(Phase.DECODE, table, [n - 1 for n in seq_lens], [1] * batch_size)
-    )
+    _compare_decode(page_size, heads, batch_size, max_len, kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
