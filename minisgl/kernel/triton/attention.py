@@ -125,18 +125,19 @@ def _e4m3_quarters(rows, mask, BLOCK_D: tl.constexpr):
     at a time; converted first, it reaches that layout as fp16, which ldmatrix transposes. On a GPU each
     32-bit word (mask: [keys, BLOCK_D // 4]) converts in two cvt instructions, an fp16 pair each; the
     interpreter reads the four classes byte by byte."""
-    words = 4 * tl.arange(0, BLOCK_D // 4)
+    words = tl.arange(0, BLOCK_D // 4)
     if _CVT_ASM:
-        w = tl.load(rows.to(tl.pointer_type(tl.int32)) + tl.arange(0, BLOCK_D // 4)[None, :], mask=mask, other=0)
+        w = tl.load(rows.to(tl.pointer_type(tl.int32)) + words[None, :], mask=mask, other=0)
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
             "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         v0, v1, v2, v3 = _half(lo), _half(lo >> 16), _half(hi), _half(hi >> 16)
     else:
-        v0 = tl.load(rows + words[None, :], mask=mask, other=0.0).to(tl.float16)
-        v1 = tl.load(rows + words[None, :] + 1, mask=mask, other=0.0).to(tl.float16)
-        v2 = tl.load(rows + words[None, :] + 2, mask=mask, other=0.0).to(tl.float16)
-        v3 = tl.load(rows + words[None, :] + 3, mask=mask, other=0.0).to(tl.float16)
+        first = rows + 4 * words[None, :]  # each word's first byte
+        v0 = tl.load(first, mask=mask, other=0.0).to(tl.float16)
+        v1 = tl.load(first + 1, mask=mask, other=0.0).to(tl.float16)
+        v2 = tl.load(first + 2, mask=mask, other=0.0).to(tl.float16)
+        v3 = tl.load(first + 3, mask=mask, other=0.0).to(tl.float16)
     return v0, v1, v2, v3
 
 
