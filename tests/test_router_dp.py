@@ -182,6 +182,42 @@ def test_a_replica_gets_the_options_given_but_its_own_port_and_the_resolved_mode
     assert replica.overlap is False and replica.served_model_name == args.served_model_name
 
 
+def test_a_port_that_echoes_the_request_is_not_ready_and_one_that_answers_is():
+    """While a replica starts, a health check can connect to itself (the kernel may hand it the replica's
+    port as its source) and read its own request back: that is "not ready", never a crash."""
+    import http.server
+    import socket
+    import threading
+
+    from minisgl.service.dp import _answers
+
+    with socket.create_server(("127.0.0.1", 0)) as echo:
+
+        def serve() -> None:
+            conn, _ = echo.accept()
+            with conn:
+                conn.sendall(conn.recv(4096))  # the request, read back as its answer
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        assert _answers(f"http://127.0.0.1:{echo.getsockname()[1]}/health") is False
+        t.join(5)
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Ok) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _answers(url + "/health") is True and _answers(url + "/other") is False
+        server.shutdown()
+
+
 @pytest.mark.gpu
 def test_dp_on_a_gpu_host_gives_each_replica_its_own_gpu(tmp_path):
     if torch.cuda.device_count() < 2:

@@ -14,6 +14,7 @@ to the router, which takes it out; the service stops (exit 1) when the router or
 from __future__ import annotations
 
 import ctypes
+import http.client
 import importlib.util
 import json
 import os
@@ -123,10 +124,13 @@ def router_argv(args: ServerArgs, urls: list[str]) -> list[str]:
 
 
 def _answers(url: str) -> bool:
+    """Whether GET `url` answers 200. Anything else, a reply that is not HTTP included, means "not yet":
+    while a replica is starting nothing listens on its port, and a connection to it can be given that
+    very port as its source (the kernel's ephemeral range holds it), so the request reads itself back."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
 
 
