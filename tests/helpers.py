@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -343,34 +341,12 @@ def assert_all_kv_free(llm: Any) -> None:
 
 
 # ---- the service in a subprocess ----------------------------------------------------------------------
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
 def free_port(span: int = 4) -> int:
-    """A TCP port that was free a moment ago, with the `span - 1` after it (a --dp service's replicas
-    take --port + 1 + i). Drawn below the kernel's ephemeral range: a client polling a port there before
-    its server binds it can be handed that very port as its source and connect to itself, which then
-    holds the port the server is about to bind."""
-    rng = random.Random()  # not the tests' seeded global generator: parallel runs must not collide
-    top = min(_ephemeral_low(), 65536) - span
-    if top <= 10000:  # an unusual range: take any port the kernel gives
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    for _ in range(200):
-        port = rng.randrange(10000, top)
-        try:
-            for p in range(port, port + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {span} free ports in a row below {top + span}")
+    """A TCP port that was free a moment ago, with the three after it (a --dp service's replicas take
+    --port + 1 + i), below the kernel's ephemeral range (minisgl.utils.net says why)."""
+    from minisgl.utils.net import free_port as below_ephemeral
+
+    return below_ephemeral(span)
 
 
 def wait_answering(

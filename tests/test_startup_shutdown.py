@@ -184,3 +184,19 @@ def test_the_offline_llm_refuses_an_unknown_backend_name_before_loading(kwargs, 
     with pytest.raises(ValueError, match=names):
         LLM(show_progress=False, **kwargs)
     assert time.monotonic() - t0 < 5  # refused by the options, no model was built
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_with_its_span_free():
+    """Ports handed to servers that clients poll before they bind: never one the kernel could give a client
+    as its source port (checked against the kernel's own range), and all `span` of them bindable."""
+    import socket
+
+    from minisgl.utils.net import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port(3)
+        assert 10000 <= port and port + 3 <= low
+        for p in range(port, port + 3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))

@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,19 +25,15 @@ from typing import Any
 
 import httpx
 
+from minisgl.utils.net import free_port
+
 STREAMS = 8
 MSG = '{"role":"user","content":"hi"},'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_service(model: str | None, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m minisgl` on a free port; returns once /v1/models answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -15,6 +14,7 @@ from minisgl.models import ModelConfig
 from minisgl.scheduler import Scheduler, SchedulerConfig, StepOutput
 from minisgl.utils import init_logger
 from minisgl.utils.hf import load_hf_config, load_tokenizer, resolve_model_path
+from minisgl.utils.net import free_port
 from minisgl.utils.options import build
 
 from .ranks import FollowerRanks, follow_rank0, rank_state
@@ -22,12 +22,6 @@ from .ranks import FollowerRanks, follow_rank0, rank_state
 logger = init_logger(__name__)
 
 Prompt = str | list[int]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load_tokenizer(model_dir: str) -> Any:
@@ -79,7 +73,7 @@ class LLM:
         ModelConfig.from_hf(load_hf_config(model_dir)).check_tp(
             config.tp_size, config.ep_size
         )  # before any process
-        addr = config.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
         tokenizer = _load_tokenizer(model_dir)  # its EOS ends generation on every rank alike
         eos = [] if tokenizer is None or tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
         config = replace(

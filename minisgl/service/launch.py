@@ -33,6 +33,7 @@ from dataclasses import replace
 from typing import Any, NoReturn
 
 from minisgl.utils import init_logger
+from minisgl.utils.net import free_port
 
 from .args import ServerArgs, parse_args
 
@@ -292,12 +293,6 @@ class ServiceProcesses:
         self.ack_queue.join_thread()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class StopRequested(BaseException):
     """SIGTERM in the launcher: unwinds like Ctrl-C's KeyboardInterrupt into the cleanup of `launch`."""
 
@@ -461,7 +456,7 @@ def launch(args: ServerArgs) -> int:
     if args.dist_init_addr:
         args = replace(args, dist_init_method=f"tcp://{args.dist_init_addr}")
     elif args.tp_size > 1:
-        args = replace(args, dist_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        args = replace(args, dist_init_method=f"tcp://127.0.0.1:{free_port()}")
     # OpenMP threads that spin while waiting collapse when another process needs the same cores, and here
     # the API server and the tokenizer worker always do (docs/BENCHMARKS.md, W4). Sleeping waiters cost
     # little. Inherited by the spawned workers (read when their OpenMP runtime starts).
