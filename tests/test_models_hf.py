@@ -11,8 +11,11 @@ import pytest
 from helpers import (
     ARCH_NAMES,
     TINY_SPECS,
+    HFReference,
+    TinySpec,
     assert_all_kv_free,
     assert_tokens_equal_hf,
+    build_tiny_model,
     make_llm,
     random_prompt,
     tiny_llm_kwargs,
@@ -91,3 +94,61 @@ def test_prompt_served_from_cache_equals_computed(arch_llm):
     assert delta["cached_prompt_tokens"] + delta["computed_prompt_tokens"] == delta["prompt_tokens"]
     assert [o["token_ids"] for o in second] == [o["token_ids"] for o in first]
     assert_all_kv_free(llm)
+
+
+# Config features the tiny models above leave at their defaults: each equals Hugging Face, or is refused
+# with an error that names it. Sizes odd on purpose, GQA throughout.
+_SMALL = {"vocab_size": 389, "hidden_size": 48, "intermediate_size": 104, "num_hidden_layers": 2}
+_SMALL |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 20}
+FEATURE_SPECS = [
+    TinySpec("llama_biases", "LlamaForCausalLM", {**_SMALL, "attention_bias": True, "mlp_bias": True}, 11),
+    TinySpec("qwen3_bias", "Qwen3ForCausalLM", {**_SMALL, "attention_bias": True}, 12),
+    # one layer full, one sliding (Qwen's max_window_layers), and Mistral's window on every layer
+    TinySpec(
+        "qwen2_window",
+        "Qwen2ForCausalLM",
+        {**_SMALL, "use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1},
+        13,
+    ),
+    TinySpec("mistral_window", "MistralForCausalLM", {**_SMALL, "sliding_window": 40}, 14),
+]
+
+
+@pytest.mark.parametrize("spec", FEATURE_SPECS, ids=lambda s: s.name)
+def test_config_features_equal_hf_or_are_bounded_by_the_window(spec, tmp_path):
+    """Biases on every projection the config names (Llama's attention_bias and mlp_bias, Qwen3's
+    attention_bias on q/k/v and o) equal Hugging Face. A model whose layers slide over a window serves
+    sequences up to that window, where sliding changes nothing, equal to Hugging Face; a longer prompt is
+    refused naming the window."""
+    from minisgl.core import InvalidRequest
+
+    model_dir = build_tiny_model(spec, str(tmp_path / spec.name))
+    ref = HFReference(model_dir)
+    window = spec.config_kwargs.get("sliding_window")
+    lens, out = ([7, 25], [33, 15]) if window else ([9, 30], [24, 18])  # a window: all 40 tokens in it
+    prompts = [random_prompt(n, _SMALL["vocab_size"], seed=200 + i) for i, n in enumerate(lens)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out]
+    with make_llm(model_dir, **tiny_llm_kwargs(attn=ATTNS[-1], page_size=4)) as llm:
+        for prompt, o in zip(prompts, llm.generate(prompts, params)):
+            assert_tokens_equal_hf(o["token_ids"], ref, prompt, what=spec.name)
+        if window:
+            assert llm.scheduler.max_seq_len == window
+            with pytest.raises(InvalidRequest, match=f"maximum sequence length is {window}"):
+                llm.generate([random_prompt(window, _SMALL["vocab_size"], seed=1)], params[0])
+
+
+def test_a_checkpoint_tensor_the_config_does_not_announce_is_refused_by_name(tmp_path):
+    """A checkpoint with MLP biases whose config.json says mlp_bias false: loading stops and names the
+    tensor, where a silent skip would generate from a different model."""
+    import json
+
+    spec = TinySpec("llama_biases", "LlamaForCausalLM", {**_SMALL, "mlp_bias": True}, 11)
+    model_dir = build_tiny_model(spec, str(tmp_path / "m"))
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "mlp_bias": False}))
+    with (
+        pytest.raises(ValueError, match=r"mlp\.(gate_up|down)_proj\.bias.*has no place"),
+        make_llm(model_dir, **tiny_llm_kwargs()),
+    ):
+        pass

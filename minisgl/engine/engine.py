@@ -107,7 +107,7 @@ class Engine:
         self.model_config.check_tp(tp.size, tp.ep_size)  # on every rank, before any rank waits for the others
         init_process_group(tp.rank, tp.size, config.dist_init_method, self.device, config.dist_timeout)
         self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
-        self.max_seq_len = self._max_seq_len(hf_config)
+        self.max_seq_len = self._max_seq_len()
         self.moe_backend = (
             create_moe_backend(config.moe_backend, self.device) if self.model_config.moe else None
         )
@@ -175,15 +175,13 @@ class Engine:
         )
 
     # ---- construction ----------------------------------------------------------------------------
-    def _max_seq_len(self, hf_config) -> int:
+    def _max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if (
-            window
-            and getattr(hf_config, "use_sliding_window", True)
-            and self.model_config.architecture.startswith(("Mistral", "Mixtral"))
-        ):
-            limit = min(limit, window)  # no sliding-window attention: stay within the window
+        window = self.model_config.sliding_window
+        if window and window < limit:  # no sliding-window attention here: within it every key is visible
+            limit = window
+            if self.config.tp_info.is_primary():
+                logger.info(f"Sequences end at the model's attention window of {window} tokens")
         if self.config.max_seq_len_override:
             limit = min(limit, self.config.max_seq_len_override)
         return limit

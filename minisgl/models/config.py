@@ -15,6 +15,19 @@ _BY_MODEL_TYPE = {
 }
 
 
+def _sliding_window(hf: Any) -> int | None:
+    """The attention window of a config whose layers (some or all) slide: Mistral's `sliding_window`,
+    Qwen2/Qwen3's with `use_sliding_window` from layer `max_window_layers` on; transformers lists which
+    layers slide in `layer_types` where the config has them."""
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(hf, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(hf, "use_sliding_window", True) else None
+
+
 @dataclass
 class MoEConfig:
     """The sparse layers of a mixture-of-experts model: E experts of intermediate size
@@ -57,6 +70,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # the window of the layers that slide, where any does
     eos_token_ids: list = field(default_factory=list)
     moe: MoEConfig | None = None
     hf_config: Any = None
@@ -90,6 +105,8 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)) or arch.startswith("Qwen2"),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            sliding_window=_sliding_window(hf),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,

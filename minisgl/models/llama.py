@@ -37,8 +37,8 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        # Llama's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only
-        o_bias = cfg.attention_bias and not cfg.architecture.startswith("Qwen")
+        # Llama's and Qwen3's attention_bias also covers o_proj; Qwen2's bias is on q/k/v only
+        o_bias = cfg.attention_bias and not cfg.architecture.startswith("Qwen2")
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         # Qwen3 normalises each head of q and k before rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if self.qk_norm else None
@@ -63,10 +63,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
         """mlp(norm(x + residual)) and the new residual x + residual."""
@@ -89,17 +89,19 @@ class LlamaDecoderLayer(nn.Module):
         """A dense MLP, or in the sparse layers of an MoE model (Qwen3-MoE, Mixtral) its experts."""
         moe = cfg.moe
         if moe is None or layer_id not in moe.sparse_layers:
-            return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+            return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         return SparseMoeBlock(
             cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
         )
 
     def layer_weights(self) -> kernel.LayerWeights | None:
         """The tensors kernel.decode_layer reads, or None where the layer kernel does not serve this layer:
-        a mixture of experts, tensor parallelism, an output-projection bias, weights kept as stored blocks,
-        widths past the kernel's tile."""
+        a mixture of experts, tensor parallelism, an output-projection or MLP bias, weights kept as stored
+        blocks, widths past the kernel's tile."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp_size > 1 or attn.o_proj.bias is not None:
+        if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp_size > 1:
+            return None
+        if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return None
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(type(p.weight) is nn.Parameter for p in projections):

@@ -69,10 +69,13 @@ def load_weights(
         name, part = merged_name(name)
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
-        if module is None or not hasattr(module, "load_shard"):
+        if module is None or not hasattr(module, "load_shard") or getattr(module, attr, None) is None:
             if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                 continue
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in {type(model).__name__} as its config.json "
+                f"describes it (a bias the config does not announce, or a layer it does not have)"
+            )
         module.load_shard(attr, tensor, part)
         if name not in loaded:
             loaded.add(name)
