@@ -8,6 +8,7 @@ together equal Hugging Face; each prompt alone equals the batched result; every 
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import (
     ARCH_NAMES,
     TINY_SPECS,
@@ -111,13 +112,27 @@ FEATURE_SPECS = [
         13,
     ),
     TinySpec("mistral_window", "MistralForCausalLM", {**_SMALL, "sliding_window": 40}, 14),
+    TinySpec(
+        "qwen3_yarn",
+        "Qwen3ForCausalLM",
+        {
+            **_SMALL,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+        15,
+    ),
 ]
 
 
 @pytest.mark.parametrize("spec", FEATURE_SPECS, ids=lambda s: s.name)
 def test_config_features_equal_hf_or_are_bounded_by_the_window(spec, tmp_path):
     """Biases on every projection the config names (Llama's attention_bias and mlp_bias, Qwen3's
-    attention_bias on q/k/v and o) equal Hugging Face. A model whose layers slide over a window serves
+    attention_bias on q/k/v and o), and YaRN's rope scaling, equal Hugging Face. A model whose layers slide over a window serves
     sequences up to that window, where sliding changes nothing, equal to Hugging Face; a longer prompt is
     refused naming the window."""
     from minisgl.core import InvalidRequest
@@ -152,3 +167,63 @@ def test_a_checkpoint_tensor_the_config_does_not_announce_is_refused_by_name(tmp
         make_llm(model_dir, **tiny_llm_kwargs()),
     ):
         pass
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 1e4},
+    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "truncate": False,
+    },
+    "yarn_attention_factor": {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 2.0,
+        "attention_factor": 0.75,
+        "original_max_position_embeddings": 100,
+    },
+}
+
+
+@pytest.mark.parametrize("name", ROPES)
+def test_rotary_tables_equal_hugging_face(name):
+    """The cos|sin table every backend reads equals Hugging Face's rotary embedding at every position
+    (frequencies and YaRN's attention factor), for each supported rope type."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from minisgl.layers.rotary import RotaryEmbedding
+    from minisgl.models.config import ModelConfig
+
+    hf = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_parameters=dict(ROPES[name]),
+    )
+    cfg = ModelConfig.from_hf(hf)
+    ours = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    positions = torch.arange(512)[None]
+    cos, sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32), positions)
+    half = cfg.head_dim // 2
+    torch.testing.assert_close(ours.cos_sin_cache[:, :half], cos[0, :, :half], rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours.cos_sin_cache[:, half:], sin[0, :, :half], rtol=0, atol=2e-6)
