@@ -14,9 +14,24 @@ from minisgl.kernel import stored
 gguf = pytest.importorskip("gguf")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
 
-BLOCK_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16", "BF16", "F32"]
+BLOCK_TYPES = [
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "F16",
+    "BF16",
+    "F32",
+]
 # where each type keeps its fp16 scales (byte offsets): random bytes there would be inf/nan or huge
-_SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+_SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82]}
+_SCALE_AT |= {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -62,7 +77,7 @@ def test_embedding_rows_are_the_reference_dequantization(name):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 33, 129])
 @pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
 def test_linear_equals_reference_matmul(name, rows, n):
-    k = 768 if name in ("Q4_K", "Q6_K") else 352  # 352: a last K chunk shorter than 256
+    k = 768 if name.endswith("_K") else 352  # 352: a last K chunk shorter than 256
     t = stored.TYPE_IDS[name]
     data = random_rows(name, n, k, seed=rows * 10 + n)
     w = stored.StoredWeight([stored.StoredPart(t, data, n, k)])
@@ -72,6 +87,7 @@ def test_linear_equals_reference_matmul(name, rows, n):
     dense = stored.dequantize(t, data, k)
     expected = (x.double() @ dense.double().T + bias.double()).float()
     got = stored.linear(x, w, bias)
+    assert stored._kernel_ok(w), f"{name}: the C kernels do not read it (the reference ran)"
     # float32 sums of k products in another order: a few ulps of the sum of |products|
     tol = 1e-6 * k * (x.abs().double() @ dense.abs().double().T).max().item() / k * 8
     torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5)

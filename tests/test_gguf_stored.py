@@ -1,9 +1,9 @@
 """GGUF files read as stored equal Hugging Face on the dequantized weights.
 
-Tiny random Llama (tied head) and Qwen3 (untied, q/k norms) models are written as GGUF files the way
-llama.cpp's converter writes them (its metadata keys, its q/k row permutation for Llama), with a
-different block type per projection: Q4_0/Q4_1/Q8_0/F16 blocks from gguf's own quantizer, Q4_K/Q6_K random
-blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
+Tiny random Llama (tied head), Qwen3 (untied, q/k norms) and Qwen2 (q/k/v biases) models are written as
+GGUF files the way llama.cpp's converter writes them (its metadata keys, its q/k row permutation for
+Llama), with a different block type per projection: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/F16 blocks from gguf's own
+quantizer, Q2_K/Q3_K/Q4_K/Q5_K/Q6_K random blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
 those blocks; minisgl reads the file with weights_format="stored". The default model, stored, gives the
 tokens of Hugging Face on today's float32 conversion on the README's prompts."""
 
@@ -45,6 +45,18 @@ QWEN3_TYPES = {
     "embed_tokens": Q.Q4_1,
     "lm_head": Q.Q6_K,
 }
+# the block types with a fifth bit (Q5_0/Q5_1 from gguf's quantizer) and the 2-, 3- and 5-bit K-quants
+QWEN2_TYPES = {
+    "q_proj": Q.Q5_0,
+    "k_proj": Q.Q5_1,
+    "v_proj": Q.Q3_K,
+    "o_proj": Q.Q5_K,
+    "gate_proj": Q.Q2_K,
+    "up_proj": Q.Q5_K,
+    "down_proj": Q.Q3_K,
+    "embed_tokens": Q.Q5_1,
+    "lm_head": Q.Q5_0,
+}
 _GGUF_NAMES = {
     "q_proj": "attn_q",
     "k_proj": "attn_k",
@@ -60,23 +72,25 @@ _GGUF_NAMES = {
 }
 _LLAMA = {"vocab_size": 320, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 _QWEN3 = {"vocab_size": 300, "hidden_size": 256, "intermediate_size": 256, "head_dim": 96}
+_QWEN2 = {"vocab_size": 290, "hidden_size": 256, "intermediate_size": 512}
 _COMMON = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 SPECS = {
     "llama": ("LlamaForCausalLM", "llama", LLAMA_TYPES, {**_LLAMA, **_COMMON, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_TYPES, {**_QWEN3, **_COMMON, "tie_word_embeddings": False}),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", QWEN2_TYPES, {**_QWEN2, **_COMMON, "tie_word_embeddings": False}),
 }
 
 
 def _blocks(w: torch.Tensor, qtype: Q, seed: int) -> np.ndarray:
     """The rows of w as blocks of qtype: gguf's quantizer where it has one, else random blocks whose
     fp16 scales are set so the weights have w's spread."""
-    if qtype not in (Q.Q4_K, Q.Q6_K):
+    scale_at = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}.get(qtype)
+    if scale_at is None:
         return gguf.quants.quantize(w.numpy(), qtype)
     rng = np.random.default_rng(seed)
     n, k = w.shape
     size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
-    scale_at = [0, 2] if qtype == Q.Q4_K else [208]
     for off in scale_at:
         blocks[:, off : off + 2] = np.full((blocks.shape[0], 1), 1.0, np.float16).view(np.uint8)
     spread = gguf.quants.dequantize(blocks, qtype).std()
@@ -122,6 +136,7 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     writer = gguf.GGUFWriter(os.path.join(out_dir, f"{name}.gguf"), gguf_arch)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for key, value in [
         ("block_count", config.num_hidden_layers),
         ("context_length", 512),
@@ -129,8 +144,8 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
         ("feed_forward_length", config.intermediate_size),
         ("attention.head_count", config.num_attention_heads),
         ("attention.head_count_kv", config.num_key_value_heads),
-        ("attention.key_length", config.head_dim),
-        ("rope.dimension_count", config.head_dim),
+        ("attention.key_length", head_dim),
+        ("rope.dimension_count", head_dim),
         ("vocab_size", config.vocab_size),
     ]:
         writer.add_uint32(f"{gguf_arch}.{key}", value)
@@ -199,7 +214,7 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
 
 def test_unsupported_block_type_is_named(tmp_path):
     """A projection in a type the kernels do not read: an error naming the type and the way out."""
-    path = str(tmp_path / "q5.gguf")
+    path = str(tmp_path / "iq4.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     for key, value in [
         ("block_count", 1),
@@ -211,16 +226,16 @@ def test_unsupported_block_type_is_named(tmp_path):
     ]:
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
-    raw = np.zeros((64, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.Q5_0][1]), np.uint8)
+    raw = np.zeros((64, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.IQ4_NL][1]), np.uint8)
     writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
-    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=Q.Q5_0)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=Q.IQ4_NL)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     from minisgl.llm import LLM
 
-    with pytest.raises(ValueError, match="Q5_0.*--weights-format float32"):
+    with pytest.raises(ValueError, match="IQ4_NL.*Q5_K.*--weights-format float32"):
         LLM(path, **tiny_llm_kwargs(weights_format="stored"))
 
 

@@ -544,7 +544,10 @@ void store_kv_f32(float *k_cache, float *v_cache, const int64_t *loc, const floa
  * whatever the compiler contracts. The products with the activations then accumulate in float32: the
  * result is the float32 GEMM on the dequantized weights up to summation order. */
 
-enum { GT_F32 = 0, GT_F16 = 1, GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q8_0 = 8, GT_Q4_K = 12, GT_Q6_K = 14, GT_BF16 = 30 };
+enum {
+    GT_F32 = 0, GT_F16 = 1, GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q5_0 = 6, GT_Q5_1 = 7, GT_Q8_0 = 8, GT_Q2_K = 10,
+    GT_Q3_K = 11, GT_Q4_K = 12, GT_Q5_K = 13, GT_Q6_K = 14, GT_BF16 = 30
+};
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
@@ -586,7 +589,8 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static int64_t qk_of(int type) {
-    return type == GT_Q4_K || type == GT_Q6_K ? 256 : (type == GT_F32 || type == GT_F16 || type == GT_BF16) ? 1 : 32;
+    if (type == GT_F32 || type == GT_F16 || type == GT_BF16) return 1;
+    return type >= GT_Q2_K && type <= GT_Q6_K ? 256 : 32;
 }
 
 static int64_t block_bytes(int type) {
@@ -595,8 +599,13 @@ static int64_t block_bytes(int type) {
     case GT_F16: case GT_BF16: return 2;
     case GT_Q4_0: return 18;
     case GT_Q4_1: return 20;
+    case GT_Q5_0: return 22;
+    case GT_Q5_1: return 24;
     case GT_Q8_0: return 34;
+    case GT_Q2_K: return 84;
+    case GT_Q3_K: return 110;
     case GT_Q4_K: return 144;
+    case GT_Q5_K: return 176;
     case GT_Q6_K: return 210;
     default: return 0;
     }
@@ -694,25 +703,90 @@ static void deq_q32(int type, const uint8_t *src, int64_t n, float *out) {
     }
 }
 
-/* Q4_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes (ggml's get_scale_min_k4). */
-static void deq_q4_k(const uint8_t *src, int64_t n, float *out) {
-    for (int64_t b = 0; b < n; b += 256, src += 144, out += 256) {
+/* Q5_0 / Q5_1: Q4_0 / Q4_1 with a fifth bit a value, the 32 of a block in one little-endian word qh after
+ * the scale (and minimum): (q - 16) d, q d + m. */
+static void deq_q5(int type, const uint8_t *src, int64_t n, float *out) {
+    const int64_t bb = block_bytes(type), off = type == GT_Q5_1 ? 4 : 2;
+    for (int64_t b = 0; b < n; b += 32, src += bb, out += 32) {
+        const float d = fp16_to_f32(rd16(src)), m = type == GT_Q5_1 ? fp16_to_f32(rd16(src + 2)) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, src + off, 4);
+        const uint8_t *qs = src + off + 4;
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 0xf) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            if (type == GT_Q5_1) {
+                out[j] = (float)lo * d + m;
+                out[j + 16] = (float)hi * d + m;
+            } else {
+                out[j] = (float)(lo - 16) * d;
+                out[j + 16] = (float)(hi - 16) * d;
+            }
+        }
+    }
+}
+
+/* Q2_K: 16 sub-blocks of 16, each a byte of 4-bit scale | 4-bit minimum; 2-bit quants, four to a byte (byte
+ * l of each half of 32 bytes holds values l, l + 32, l + 64, l + 96 of that half); then d, dmin. */
+static void deq_q2_k(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 256, src += 84, out += 256) {
+        const uint8_t *sc = src, *qs = src + 16;
+        const float d = fp16_to_f32(rd16(src + 80)), dmin = fp16_to_f32(rd16(src + 82));
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s = e / 32 % 4, l = e % 32, j = e / 16;
+            const float dl = d * (float)(sc[j] & 0xf), ml = dmin * (float)(sc[j] >> 4);
+            out[e] = dl * (float)((qs[32 * h + l] >> (2 * s)) & 3) - ml;
+        }
+    }
+}
+
+/* Q3_K: a high bit a value in hmask [32] (value e's in byte e % 32, bit e / 32; a clear bit subtracts 4),
+ * 2-bit quants as Q2_K's, 16 six-bit signed scales packed in 12 bytes, then d. */
+static void deq_q3_k(const uint8_t *src, int64_t n, float *out) {
+    for (int64_t b = 0; b < n; b += 256, src += 110, out += 256) {
+        const uint8_t *hm = src, *qs = src + 32, *sc = src + 96;
+        const float d = fp16_to_f32(rd16(src + 108));
+        float dl[16];
+        for (int j = 0; j < 16; j++) {
+            const int lo = (sc[j % 8] >> (4 * (j / 8))) & 0xf, hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+            dl[j] = d * (float)((lo | hi << 4) - 32);
+        }
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s = e / 32 % 4, l = e % 32;
+            const int q = ((qs[32 * h + l] >> (2 * s)) & 3) - (((hm[l] >> (e / 32)) & 1) ? 0 : 4);
+            out[e] = dl[e / 16] * (float)q;
+        }
+    }
+}
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and minimum from Q4_K/Q5_K's 12 packed bytes. */
+static inline void scale_min_k4(const uint8_t *sc, int j, int *s, int *m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 0xf) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. Q5_K (q5 1): the same with
+ * a fifth bit a value in qh [32] before the nibbles (sub-block j's in bit j). */
+static void deq_q45_k(int q5, const uint8_t *src, int64_t n, float *out) {
+    const int64_t bb = q5 ? 176 : 144;
+    for (int64_t b = 0; b < n; b += 256, src += bb, out += 256) {
         const float d = fp16_to_f32(rd16(src)), dmin = fp16_to_f32(rd16(src + 2));
-        const uint8_t *sc = src + 4, *qs = src + 16;
+        const uint8_t *sc = src + 4, *qh = src + 16, *qs = src + (q5 ? 48 : 16);
         for (int j = 0; j < 8; j++) {
             int s, m;
-            if (j < 4) {
-                s = sc[j] & 63;
-                m = sc[j + 4] & 63;
-            } else {
-                s = (sc[j + 4] & 0xf) | ((sc[j - 4] >> 6) << 4);
-                m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            }
+            scale_min_k4(sc, j, &s, &m);
             const float dl = d * (float)s, ml = dmin * (float)m;
             const uint8_t *q = qs + (j / 2) * 32;
             const int shift = (j & 1) * 4;
             float *o = out + j * 32;
-            for (int l = 0; l < 32; l++) o[l] = dl * (float)((q[l] >> shift) & 0xf) - ml;
+            for (int l = 0; l < 32; l++) {
+                const int v = ((q[l] >> shift) & 0xf) | (q5 ? ((qh[l] >> j) & 1) << 4 : 0);
+                o[l] = dl * (float)v - ml;
+            }
         }
     }
 }
@@ -761,7 +835,12 @@ static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, fl
     case GT_Q4_0:
     case GT_Q4_1:
     case GT_Q8_0: deq_q32(type, src, n, out); break;
-    case GT_Q4_K: deq_q4_k(src, n, out); break;
+    case GT_Q5_0:
+    case GT_Q5_1: deq_q5(type, src, n, out); break;
+    case GT_Q2_K: deq_q2_k(src, n, out); break;
+    case GT_Q3_K: deq_q3_k(src, n, out); break;
+    case GT_Q4_K: deq_q45_k(0, src, n, out); break;
+    case GT_Q5_K: deq_q45_k(1, src, n, out); break;
     case GT_Q6_K: deq_q6_k(src, n, out); break;
     default: break;
     }

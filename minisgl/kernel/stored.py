@@ -20,8 +20,13 @@ STORED_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2),
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     30: ("BF16", 1, 2),
 }
@@ -163,9 +168,52 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.float(), mins.float()
 
 
+def _bits(b: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [nb, n / 8] -> int32 [nb, n]: bit i of the little-endian bytes at i."""
+    shifts = torch.arange(8, dtype=torch.int32)
+    return ((b.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(b.shape[0], n)
+
+
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's 2-bit quants: [nb, 64] bytes -> int32 [nb, 256], each half of 32 bytes giving its 32
+    bytes' bits 0-1, then 2-3, 4-5, 6-7."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 4, 1)
+    return ((qs.to(torch.int32).reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+
+
+def _q5(b: torch.Tensor, off: int) -> torch.Tensor:
+    """Q5_0/Q5_1's 32 five-bit values a block: nibbles at off + 4, the fifth bits in the word at off."""
+    return _nibbles(b[:, off + 4 :]).to(torch.int32) | (_bits(b[:, off : off + 4], 32) << 4)
+
+
 def _deq_blocks(ggml_type: int, b: torch.Tensor) -> torch.Tensor:
     """Blocks uint8 [nb, bytes] -> float32 [nb, qk]."""
     nb = b.shape[0]
+    if ggml_type == 6:  # Q5_0
+        return _f16(b[:, 0:2]).unsqueeze(1) * (_q5(b, 2) - 16).float()
+    if ggml_type == 7:  # Q5_1
+        return _f16(b[:, 0:2]).unsqueeze(1) * _q5(b, 4).float() + _f16(b[:, 2:4]).unsqueeze(1)
+    if ggml_type == 10:  # Q2_K: 16 sub-blocks of 16, a 4-bit scale and minimum each
+        sc = b[:, 0:16].to(torch.int32)
+        d, dmin = _f16(b[:, 80:82]).unsqueeze(1), _f16(b[:, 82:84]).unsqueeze(1)
+        dl, ml = (d * (sc & 0xF).float()).unsqueeze(-1), (dmin * (sc >> 4).float()).unsqueeze(-1)
+        return (dl * _crumbs(b[:, 16:80]).reshape(nb, 16, 16).float() - ml).reshape(nb, 256)
+    if ggml_type == 11:  # Q3_K: 2-bit quants, minus 4 where the high-bit mask is clear; 6-bit scales
+        sc = b[:, 96:108].to(torch.int32)
+        lo = (sc[:, 0:8].unsqueeze(1) >> torch.tensor([0, 4]).view(1, 2, 1)).reshape(nb, 16) & 0xF
+        hi = (sc[:, 8:12].unsqueeze(1) >> torch.tensor([0, 2, 4, 6]).view(1, 4, 1)).reshape(nb, 16) & 3
+        dl = _f16(b[:, 108:110]).unsqueeze(1) * ((lo | (hi << 4)) - 32).float()
+        high = (
+            _bits(b[:, 0:32], 256).reshape(nb, 32, 8).transpose(1, 2).reshape(nb, 256)
+        )  # value e: byte e % 32
+        q = _crumbs(b[:, 32:96]) - 4 * (1 - high)
+        return (dl.unsqueeze(-1) * q.reshape(nb, 16, 16).float()).reshape(nb, 256)
+    if ggml_type == 13:  # Q5_K: Q4_K with a fifth bit a value (sub-block j's in bit j of qh's bytes)
+        d, dmin = _f16(b[:, 0:2]).unsqueeze(1), _f16(b[:, 2:4]).unsqueeze(1)
+        scales, mins = _scale_min_k4(b[:, 4:16])
+        high = _bits(b[:, 16:48], 256).reshape(nb, 32, 8).transpose(1, 2)  # [nb, 8 sub-blocks, 32]
+        q = (_nibbles(b[:, 48:].reshape(nb, 4, 32)).reshape(nb, 8, 32).to(torch.int32) | (high << 4)).float()
+        return ((d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)).reshape(nb, 256)
     if ggml_type == 2:  # Q4_0
         return _f16(b[:, 0:2]).unsqueeze(1) * (_nibbles(b[:, 2:]).to(torch.int32) - 8).float()
     if ggml_type == 3:  # Q4_1

@@ -95,8 +95,9 @@ def _keep_stored(module: nn.Module, attr: str, part: stored.StoredPart, name: st
 
         kind = gguf.GGMLQuantizationType(part.ggml_type).name
         raise ValueError(
-            f"GGUF tensor {name!r} is {kind}, which is not kept as stored (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, "
-            "F16, BF16, F32 are); --weights-format float32 converts the file instead"
+            f"GGUF tensor {name!r} is {kind}, which is not kept as stored "
+            f"({', '.join(n for n, _, _ in stored.STORED_TYPES.values())} are); "
+            "--weights-format float32 converts the file instead"
         )
     return True
 
