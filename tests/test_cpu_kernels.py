@@ -4,7 +4,7 @@ loop, the packed linear against float64, the elementwise kernels against kernel/
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant
+from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant, random_stored_rows
 
 from minisgl import kernel
 from minisgl.core import Phase
@@ -99,6 +99,20 @@ def test_fallback_builds_of_attention_and_linear_equal_the_references(variant, m
             cpu_kernels.linear_stored(x, t, data, None, y)
             dense = stored.dequantize(t, data, 288)
             torch.testing.assert_close(y, (x.double() @ dense.double().T).float(), atol=1e-4, rtol=1e-5)
+        # every other block type, on random blocks (K-quants: rows of 512, two blocks)
+        xk = torch.randn(m, 512, generator=g)
+        for name in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+            t = stored.TYPE_IDS[name]
+            data = random_stored_rows(name, 37, 512, seed=m)
+            y = torch.empty(m, 37)
+            cpu_kernels.linear_stored(xk, t, data, None, y)
+            dense = stored.dequantize(t, data, 512)
+            expected = (xk.double() @ dense.double().T).float()
+            # float32 sums in another order: a few ulps of the sum of |products| (random scales run large)
+            tol = 8e-6 * (xk.abs().double() @ dense.abs().double().T).max().item()
+            torch.testing.assert_close(y, expected, atol=tol, rtol=1e-5, msg=f"{name}, {m} rows")
+            embedded = cpu_kernels.dequant_rows(t, data, 512, torch.tensor([36, 0, 5]), 3)
+            assert torch.equal(embedded, dense[[36, 0, 5]]), f"{name}: rows not the reference's"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import random_stored_rows
 
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import stored
@@ -29,25 +30,7 @@ BLOCK_TYPES = [
     "BF16",
     "F32",
 ]
-# where each type keeps its fp16 scales (byte offsets): random bytes there would be inf/nan or huge
-_SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82]}
-_SCALE_AT |= {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """n rows of k values of type `name` as stored bytes: random quants, scales of about 1/64."""
-    rng = np.random.default_rng(seed)
-    t = stored.TYPE_IDS[name]
-    _, qk, nbytes = stored.STORED_TYPES[t]
-    if name in ("F16", "BF16", "F32"):
-        vals = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
-        dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[name]
-        return vals.to(dtype).view(torch.uint8).reshape(n, -1).clone()
-    blocks = rng.integers(0, 256, size=(n * k // qk, nbytes), dtype=np.uint8)
-    for off in _SCALE_AT[name]:
-        scales = (rng.standard_normal(blocks.shape[0]) / 64).astype(np.float16)
-        blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(blocks.reshape(n, k // qk * nbytes))
+random_rows = random_stored_rows
 
 
 @pytest.mark.parametrize("name", [n for n in BLOCK_TYPES if n not in ("F32",)])

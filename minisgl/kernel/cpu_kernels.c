@@ -611,6 +611,17 @@ static int64_t block_bytes(int type) {
     }
 }
 
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and minimum from Q4_K/Q5_K's 12 packed bytes. */
+static inline void scale_min_k4(const uint8_t *sc, int j, int *s, int *m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 0xf) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
 #if HAVE_AVX2
 /* One block of 32 dequantized into 32 / VW vectors (Q4_0, Q4_1, Q8_0), the same arithmetic as deq_*. The
  * fp16 scale (and Q4_1's minimum) are converted as a broadcast word: no scalar round trip. */
@@ -670,6 +681,199 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
     }
 }
 #endif
+#endif
+
+#if HAVE_AVX2
+/* Integer lanes beside vf: VW bytes zero-extended to 32 bits, shifts by a count known at run time. */
+#if VW == 16
+typedef __m512i vi;
+#define vi_u8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define vi_set1 _mm512_set1_epi32
+#define vi_srl(a, n) _mm512_srl_epi32(a, _mm_cvtsi32_si128(n))
+#define vi_srlv _mm512_srlv_epi32
+#define vi_sll(a, n) _mm512_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define vi_and _mm512_and_si512
+#define vi_or _mm512_or_si512
+#define vi_sub _mm512_sub_epi32
+#define vi_iota _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define vi_ps _mm512_cvtepi32_ps
+#else
+typedef __m256i vi;
+#define vi_u8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define vi_set1 _mm256_set1_epi32
+#define vi_srl(a, n) _mm256_srl_epi32(a, _mm_cvtsi32_si128(n))
+#define vi_srlv _mm256_srlv_epi32
+#define vi_sll(a, n) _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define vi_and _mm256_and_si256
+#define vi_or _mm256_or_si256
+#define vi_sub _mm256_sub_epi32
+#define vi_iota _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+#define vi_ps _mm256_cvtepi32_ps
+#endif
+
+static inline int is_kquant(int type) { return type >= GT_Q2_K && type <= GT_Q6_K; }
+
+/* A K-quant block's scales, once a block: sub-block j's values are q dl[j] + nml[j] (Q4_K/Q5_K: 8
+ * sub-blocks of 32; Q2_K/Q3_K/Q6_K: 16 of 16), each dl a product of an fp16 scale and a small integer,
+ * exact in float32, as the reference's. */
+static inline __attribute__((always_inline)) void kscales(const int type, const uint8_t *src, float dl[16],
+                                                          float nml[16]) {
+#define U8X4(p) _mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(p))) /* 4 bytes -> 4 int32 lanes */
+    if (type == GT_Q4_K || type == GT_Q5_K) {  // get_scale_min_k4 for the 8 sub-blocks, four lanes at a time
+        const __m128 d = _mm_set1_ps(fp16_to_f32(rd16(src))), ndmin = _mm_set1_ps(-fp16_to_f32(rd16(src + 2)));
+        const __m128i b0 = U8X4(src + 4), b1 = U8X4(src + 8), b2 = U8X4(src + 12), m63 = _mm_set1_epi32(63);
+        const __m128i s_lo = _mm_and_si128(b0, m63), m_lo = _mm_and_si128(b1, m63);
+        const __m128i s_hi = _mm_or_si128(_mm_and_si128(b2, _mm_set1_epi32(15)), _mm_slli_epi32(_mm_srli_epi32(b0, 6), 4));
+        const __m128i m_hi = _mm_or_si128(_mm_srli_epi32(b2, 4), _mm_slli_epi32(_mm_srli_epi32(b1, 6), 4));
+        _mm_storeu_ps(dl, _mm_mul_ps(d, _mm_cvtepi32_ps(s_lo)));
+        _mm_storeu_ps(dl + 4, _mm_mul_ps(d, _mm_cvtepi32_ps(s_hi)));
+        // -(dmin m) as the reference's dmin m, negated: the same magnitude, rounded once
+        _mm_storeu_ps(nml, _mm_mul_ps(ndmin, _mm_cvtepi32_ps(m_lo)));
+        _mm_storeu_ps(nml + 4, _mm_mul_ps(ndmin, _mm_cvtepi32_ps(m_hi)));
+    } else if (type == GT_Q6_K) {
+        const __m128 d = _mm_set1_ps(fp16_to_f32(rd16(src + 208)));
+        for (int j = 0; j < 16; j += 4)
+            _mm_storeu_ps(dl + j, _mm_mul_ps(d, _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(src + 192 + j))))));
+    } else if (type == GT_Q2_K) {
+        const __m128 d = _mm_set1_ps(fp16_to_f32(rd16(src + 80))), ndmin = _mm_set1_ps(-fp16_to_f32(rd16(src + 82)));
+        for (int j = 0; j < 16; j += 4) {
+            const __m128i b = U8X4(src + j);
+            _mm_storeu_ps(dl + j, _mm_mul_ps(d, _mm_cvtepi32_ps(_mm_and_si128(b, _mm_set1_epi32(15)))));
+            _mm_storeu_ps(nml + j, _mm_mul_ps(ndmin, _mm_cvtepi32_ps(_mm_srli_epi32(b, 4))));
+        }
+    } else if (type == GT_Q3_K) {  // scale j: low 4 bits from byte j % 8 (nibble j / 8), high 2 from 8 + j % 4
+        const __m128 d = _mm_set1_ps(fp16_to_f32(rd16(src + 108)));
+        const uint8_t *sc = src + 96;
+        const __m128i hb = U8X4(sc + 8);
+        for (int j = 0; j < 16; j += 4) {
+            const __m128i lo = _mm_and_si128(_mm_srli_epi32(U8X4(sc + j % 8), 4 * (j / 8)), _mm_set1_epi32(15));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi32(hb, 2 * (j / 4)), _mm_set1_epi32(3));
+            const __m128i q = _mm_sub_epi32(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi32(32));
+            _mm_storeu_ps(dl + j, _mm_mul_ps(d, _mm_cvtepi32_ps(q)));
+        }
+    }
+#undef U8X4
+}
+
+#if VW == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DEQ_TABLES 1 /* Q4_K/Q5_K values looked up in a table of the run's 16 (32) values */
+#else
+#define DEQ_TABLES 0
+#endif
+
+/* Run c (0..7) of 32 values of the K-quant block at src into 32 / VW vectors; dl/nml: its kscales. */
+static inline __attribute__((always_inline)) void deq_krun(const int type, const uint8_t *src, const int c,
+                                                           const float *dl, const float *nml, vf v[32 / VW]) {
+    const int h = c / 4, s = c % 4;  // for the 2-, 3- and 6-bit types: half, quarter
+    if (type == GT_Q4_K || type == GT_Q5_K) {  // run c is sub-block c: its nibbles (and fifth bits)
+        const uint8_t *qs = src + (type == GT_Q5_K ? 48 : 16) + c / 2 * 32, *qh = src + 16;
+#if DEQ_TABLES
+        // the 16 values a nibble stands for, q dl + nml rounded once as the reference's, looked up by vpermps
+        // (which reads an index's low 4 bits); Q5_K's fifth bit picks the upper table through a lane mask
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 dv = _mm512_set1_ps(dl[c]), mv = _mm512_set1_ps(nml[c]);
+        const __m512 lo = _mm512_fmadd_ps(iota, dv, mv);
+        for (int i = 0; i < 2; i++) {
+            __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i)));
+            if (c % 2) a = _mm512_srli_epi32(a, 4);
+            v[i] = _mm512_permutexvar_ps(a, lo);
+            if (type == GT_Q5_K) {
+                const __m512 hi = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), dv, mv);
+                const __mmask16 k = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)(qh + 16 * i)),
+                                                        _mm_set1_epi8((char)(1 << c)));
+                v[i] = _mm512_mask_permutexvar_ps(v[i], k, a, hi);
+            }
+        }
+#else
+        const vf dv = vf_set1(dl[c]), mv = vf_set1(nml[c]);
+        for (int i = 0; i < 32 / VW; i++) {
+            vi q = vi_and(vi_srl(vi_u8(qs + i * VW), c % 2 * 4), vi_set1(0xf));
+            if (type == GT_Q5_K) q = vi_or(q, vi_sll(vi_and(vi_srl(vi_u8(qh + i * VW), c), vi_set1(1)), 4));
+            v[i] = vf_fma(vi_ps(q), dv, mv);
+        }
+#endif
+        return;
+    }
+    const float *dlr = dl + 8 * h + 2 * s, *nmlr = nml + 8 * h + 2 * s;  // this run's two sub-blocks
+    if (type == GT_Q6_K) {  // run c: quarter s of half h; its low 4 bits in ql, its high 2 in qh
+        const uint8_t *ql = src + 64 * h + 32 * (s % 2), *qh = src + 128 + 32 * h;
+#if VW == 16
+        // the 32 quants built a byte each (16-bit shifts, masks clearing what crosses from the next byte),
+        // widened 16 at a time
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)ql), s / 2 * 4),
+                                     _mm256_set1_epi8(0x0f));
+        __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)qh), _mm_cvtsi32_si128(2 * s));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+        v[0] = _mm512_mul_ps(_mm512_set1_ps(dlr[0]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+        v[1] = _mm512_mul_ps(_mm512_set1_ps(dlr[1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+#else
+        for (int i = 0; i < 32 / VW; i++) {
+            vi q = vi_and(vi_srl(vi_u8(ql + i * VW), s / 2 * 4), vi_set1(0xf));
+            q = vi_or(q, vi_sll(vi_and(vi_srl(vi_u8(qh + i * VW), 2 * s), vi_set1(3)), 4));
+            v[i] = vf_mul(vf_set1(dlr[i * VW / 16]), vi_ps(vi_sub(q, vi_set1(32))));
+        }
+#endif
+        return;
+    }
+    if (type == GT_Q2_K) {  // run c: bits 2s of half h's 32 bytes
+        const uint8_t *qs = src + 16 + 32 * h;
+        for (int i = 0; i < 32 / VW; i++) {
+            vi q = vi_and(vi_srl(vi_u8(qs + i * VW), 2 * s), vi_set1(3));
+            v[i] = vf_fma(vi_ps(q), vf_set1(dlr[i * VW / 16]), vf_set1(nmlr[i * VW / 16]));
+        }
+        return;
+    }
+    if (type == GT_Q3_K) {  // as Q2_K's quants, minus 4 where bit 4h + s of hmask's byte is clear
+        const uint8_t *hm = src, *qs = src + 32 + 32 * h;
+        for (int i = 0; i < 32 / VW; i++) {
+            vi q = vi_and(vi_srl(vi_u8(qs + i * VW), 2 * s), vi_set1(3));
+            q = vi_or(q, vi_sll(vi_and(vi_srl(vi_u8(hm + i * VW), 4 * h + s), vi_set1(1)), 2));  // + 4 hbit
+            v[i] = vf_mul(vf_set1(dlr[i * VW / 16]), vi_ps(vi_sub(q, vi_set1(4))));
+        }
+        return;
+    }
+}
+
+/* Values [32 idx, 32 idx + 32) of a stored row dequantized into 32 / VW vectors, for every quantized type:
+ * Q4_0/Q4_1/Q8_0 through deq32, the others here with the scalar routines' arithmetic (each product of a
+ * scale and a quant exact, the fused multiply-add rounding once where the reference subtracts or adds). A
+ * K-quant's idx names its block (idx / 8) and the run of 32 in it (idx % 8); dl/nml are that block's
+ * kscales. */
+static inline __attribute__((always_inline)) void deq_chunk(const int type, const uint8_t *row, int64_t idx,
+                                                            const float *dl, const float *nml, vf v[32 / VW]) {
+    if (type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0) {
+        deq32(type, row + idx * block_bytes(type), v);
+        return;
+    }
+    if (type == GT_Q5_0 || type == GT_Q5_1) {  // values j and j + 16: byte j's nibbles; fifth bits in qh
+        const uint8_t *src = row + idx * block_bytes(type);
+        const int off = type == GT_Q5_1 ? 4 : 2;
+        const vf d = vf_set1(fp16_to_f32(rd16(src)));
+        const vf m = vf_set1(type == GT_Q5_1 ? fp16_to_f32(rd16(src + 2)) : 0.0f);
+        uint32_t qh;
+        memcpy(&qh, src + off, 4);
+#if DEQ_TABLES
+        // as Q5_K: the 16 values of the nibbles without, then with, the fifth bit; value e's bit is qh's bit e
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 lo = type == GT_Q5_1 ? _mm512_fmadd_ps(iota, d, m) : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.0f)), d);
+        const __m512 hi = type == GT_Q5_1 ? _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d, m) : _mm512_mul_ps(iota, d);
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + off + 4)));
+        v[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(a, lo), (__mmask16)qh, a, hi);
+        const __m512i b = _mm512_srli_epi32(a, 4);
+        v[1] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(b, lo), (__mmask16)(qh >> 16), b, hi);
+        return;
+#endif
+        for (int i = 0; i < 32 / VW; i++) {
+            const int e = i * VW;  // the first value of this vector
+            vi q = vi_and(vi_srl(vi_u8(src + off + 4 + e % 16), e / 16 * 4), vi_set1(0xf));
+            q = vi_or(q, vi_sll(vi_and(vi_srlv(vi_set1((int)(qh >> e)), vi_iota), vi_set1(1)), 4));
+            v[i] = type == GT_Q5_1 ? vf_fma(vi_ps(q), d, m) : vf_mul(vi_ps(vi_sub(q, vi_set1(16))), d);
+        }
+        return;
+    }
+    deq_krun(type, row + idx / 8 * block_bytes(type), (int)(idx % 8), dl, nml, v);
+}
 #endif
 
 /* Q4_0 / Q4_1 / Q8_0: n elements (a multiple of 32) of consecutive blocks, (q - 8) d, q d + m, q d. */
@@ -758,17 +962,6 @@ static void deq_q3_k(const uint8_t *src, int64_t n, float *out) {
     }
 }
 
-/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and minimum from Q4_K/Q5_K's 12 packed bytes. */
-static inline void scale_min_k4(const uint8_t *sc, int j, int *s, int *m) {
-    if (j < 4) {
-        *s = sc[j] & 63;
-        *m = sc[j + 4] & 63;
-    } else {
-        *s = (sc[j + 4] & 0xf) | ((sc[j - 4] >> 6) << 4);
-        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    }
-}
-
 /* Q4_K: 8 sub-blocks of 32 with 6-bit scales and minimums packed in 12 bytes. Q5_K (q5 1): the same with
  * a fifth bit a value in qh [32] before the nibbles (sub-block j's in bit j). */
 static void deq_q45_k(int q5, const uint8_t *src, int64_t n, float *out) {
@@ -828,6 +1021,9 @@ static void deq_half(const uint8_t *src, int64_t n, float *out, int bf) {
 /* Elements [k0, k0 + n) of one stored row, k0 and n multiples of the block size. */
 static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, float *out) {
     const uint8_t *src = row + k0 / qk_of(type) * block_bytes(type);
+#if HAVE_AVX2
+    float dl[16], nml[16];
+#endif
     switch (type) {
     case GT_F32: memcpy(out, src, n * sizeof(float)); break;
     case GT_F16: deq_half(src, n, out, 0); break;
@@ -835,6 +1031,23 @@ static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, fl
     case GT_Q4_0:
     case GT_Q4_1:
     case GT_Q8_0: deq_q32(type, src, n, out); break;
+#if HAVE_AVX2
+#define DEQ_RUNS(T)                                                                                          \
+    for (int64_t i = 0; i < n / 32; i++) {                                                                   \
+        vf v[32 / VW];                                                                                       \
+        if (is_kquant(T) && (k0 / 32 + i) % 8 == 0) kscales(T, src + i / 8 * block_bytes(T), dl, nml);        \
+        deq_chunk(T, row, k0 / 32 + i, dl, nml, v);                                                          \
+        for (int j = 0; j < 32 / VW; j++) vf_store(out + 32 * i + VW * j, v[j]);                             \
+    }
+    case GT_Q5_0: DEQ_RUNS(GT_Q5_0); break;
+    case GT_Q5_1: DEQ_RUNS(GT_Q5_1); break;
+    case GT_Q2_K: DEQ_RUNS(GT_Q2_K); break;
+    case GT_Q3_K: DEQ_RUNS(GT_Q3_K); break;
+    case GT_Q4_K: DEQ_RUNS(GT_Q4_K); break;
+    case GT_Q5_K: DEQ_RUNS(GT_Q5_K); break;
+    case GT_Q6_K: DEQ_RUNS(GT_Q6_K); break;
+#undef DEQ_RUNS
+#else
     case GT_Q5_0:
     case GT_Q5_1: deq_q5(type, src, n, out); break;
     case GT_Q2_K: deq_q2_k(src, n, out); break;
@@ -842,6 +1055,7 @@ static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, fl
     case GT_Q4_K: deq_q45_k(0, src, n, out); break;
     case GT_Q5_K: deq_q45_k(1, src, n, out); break;
     case GT_Q6_K: deq_q6_k(src, n, out); break;
+#endif
     default: break;
     }
 }
@@ -927,9 +1141,26 @@ static void dot_tasks_work(group_fn fn, int pass, const void *x, int64_t ld, siz
 }
 
 #if HAVE_AVX2
+/* acc[m] += 32 weights v . x row m's 32 values at x (rows ldx apart), M (1..3) rows; one row of x keeps two
+ * chains (acc[0][0], acc[0][1]) so the dependent adds stay short, more rows are chains enough. */
+static inline __attribute__((always_inline)) void dot_rows(const int M, const vf v[32 / VW], const float *x,
+                                                           int64_t ldx, vf acc[3][2]) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        if (M == 1) {
+            for (int i = 0; i < 32 / VW; i++) acc[0][i % 2] = vf_fma(v[i], vf_load(xm + VW * i), acc[0][i % 2]);
+        } else {
+            vf a = acc[m][0];
+            for (int i = 0; i < 32 / VW; i++) a = vf_fma(v[i], vf_load(xm + VW * i), a);
+            acc[m][0] = a;
+        }
+    }
+}
+
 /* out[r][m] = row r of the GR weight rows p[] dotted with x row m, for M (1..3) rows of x: each block is
  * dequantized into registers once and multiplied into all M rows (for one row of x two accumulators a weight
- * row, so the chains of dependent adds stay short). type 0 (any type) reads rows already dequantized into buf [GR][QKC] a chunk
+ * row, so the chains of dependent adds stay short): deq_chunk for the quantized types. type 0 (half and float rows)
+ * reads rows already dequantized into buf [GR][QKC] a chunk
  * at a time instead. pf [pf_len): memory the next groups read, prefetched a slice per chunk (a core's own
  * prefetchers keep too few rows in flight for this rate: measured 5 GB/s without, on the 2-core EPYC). */
 static inline __attribute__((always_inline)) void dot_group(const int type, const int M, const float *x,
@@ -938,35 +1169,41 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
                                                             float out[GR][PASS_MAX]) {
     vf acc[GR][3][2];
     float buf[GR * QKC] __attribute__((aligned(32)));
+    float kdl[GR][16], knml[GR][16];  // a K-quant block's scales, each row's
     for (int r = 0; r < GR; r++)
         for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = vf_zero();  // [1]: M == 1 only
-    const int64_t bb = type ? block_bytes(type) : 0, chunks = (K + QKC - 1) / QKC;
+    const int64_t chunks = (K + QKC - 1) / QKC;
     const int64_t pf_step = (pf_len + chunks - 1) / chunks;
     for (int64_t k0 = 0, c = 0; k0 < K; k0 += QKC, c++) {
         int64_t kc = K - k0 < QKC ? K - k0 : QKC;
         for (int64_t line = c * pf_step; line < (c + 1) * pf_step && line < pf_len; line += 64)
             _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+        if (is_kquant(type)) {  // QKC is one block a row: its scales, then its 8 runs (their offsets constant)
+            const uint8_t *blk[GR];
+            for (int r = 0; r < GR; r++) {
+                blk[r] = p[r] + k0 / 256 * block_bytes(type);
+                kscales(type, blk[r], kdl[r], knml[r]);
+            }
+#pragma GCC unroll 8
+            for (int c8 = 0; c8 < 8; c8++)
+                for (int r = 0; r < GR; r++) {
+                    vf v[32 / VW];
+                    deq_krun(type, blk[r], c8, kdl[r], knml[r], v);
+                    dot_rows(M, v, x + k0 + 32 * c8, ldx, acc[r]);
+                }
+            continue;
+        }
         if (!type)
             for (int r = 0; r < GR; r++) dequant_span(wtype, p[r], k0, kc, buf + r * QKC);
         for (int64_t k = 0; k < kc; k += 32) {
             for (int r = 0; r < GR; r++) {
                 vf v[32 / VW];
                 if (type) {
-                    deq32(type, p[r] + (k0 + k) / 32 * bb, v);
+                    deq_chunk(type, p[r], (k0 + k) / 32, 0, 0, v);
                 } else {
                     for (int i = 0; i < 32 / VW; i++) v[i] = vf_load(buf + r * QKC + k + VW * i);
                 }
-                for (int m = 0; m < M; m++) {
-                    const float *xm = x + m * ldx + k0 + k;
-                    if (M == 1) {  // two chains for one row of x; with more rows, those are chains enough
-                        for (int i = 0; i < 32 / VW; i++)
-                            acc[r][0][i % 2] = vf_fma(v[i], vf_load(xm + VW * i), acc[r][0][i % 2]);
-                    } else {
-                        vf a = acc[r][m][0];
-                        for (int i = 0; i < 32 / VW; i++) a = vf_fma(v[i], vf_load(xm + VW * i), a);
-                        acc[r][m][0] = a;
-                    }
-                }
+                dot_rows(M, v, x + k0 + k, ldx, acc[r]);
             }
         }
     }
@@ -977,21 +1214,22 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
 #define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
 static void dot_group_any(int type, int M, const float *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
                           const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
-    int fused = type == GT_Q4_0 ? 1 : type == GT_Q4_1 ? 2 : type == GT_Q8_0 ? 3 : 0;
-    switch (fused * 4 + M) {
-    case 5: DOT_CASE(GT_Q4_0, 1); break;
-    case 6: DOT_CASE(GT_Q4_0, 2); break;
-    case 7: DOT_CASE(GT_Q4_0, 3); break;
-    case 9: DOT_CASE(GT_Q4_1, 1); break;
-    case 10: DOT_CASE(GT_Q4_1, 2); break;
-    case 11: DOT_CASE(GT_Q4_1, 3); break;
-    case 13: DOT_CASE(GT_Q8_0, 1); break;
-    case 14: DOT_CASE(GT_Q8_0, 2); break;
-    case 15: DOT_CASE(GT_Q8_0, 3); break;
-    case 1: DOT_CASE(0, 1); break;
-    case 2: DOT_CASE(0, 2); break;
-    default: DOT_CASE(0, 3); break;
+#define DOT_TYPE(T)                                                                                         \
+    case T: M == 1 ? DOT_CASE(T, 1) : M == 2 ? DOT_CASE(T, 2) : DOT_CASE(T, 3); break;
+    switch (type) {  // every quantized type dequantized into registers; half and float rows through buf
+    DOT_TYPE(GT_Q4_0)
+    DOT_TYPE(GT_Q4_1)
+    DOT_TYPE(GT_Q5_0)
+    DOT_TYPE(GT_Q5_1)
+    DOT_TYPE(GT_Q8_0)
+    DOT_TYPE(GT_Q2_K)
+    DOT_TYPE(GT_Q3_K)
+    DOT_TYPE(GT_Q4_K)
+    DOT_TYPE(GT_Q5_K)
+    DOT_TYPE(GT_Q6_K)
+    default: M == 1 ? DOT_CASE(0, 1) : M == 2 ? DOT_CASE(0, 2) : DOT_CASE(0, 3); break;
     }
+#undef DOT_TYPE
 }
 
 static void dot_group_fn(int type, int M, const void *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,

@@ -31,6 +31,10 @@ STORED_TYPES: dict[int, tuple[str, int, int]] = {
     30: ("BF16", 1, 2),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in STORED_TYPES.items()}
+# where a block of each quantized type keeps its fp16 scales (byte offsets; the rest is quants and packed
+# sub-block scales): what a random block (tests, benchmarks) must set to keep its values finite and small
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82)}
+SCALE_OFFSETS |= {"Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 INT8_DOT_TYPES = frozenset(TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q8_0"))  # what the int8 dot reads
 STORED_DOTS = ("exact", "int8")  # StoredWeight.dot, set from EngineConfig.stored_dot
 
