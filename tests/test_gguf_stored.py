@@ -303,3 +303,33 @@ def test_gguf_dequantized_into_float_parameters_equals_the_reference(tmp_path):
     expected = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(attn, expected)
     assert torch.equal(model.lm_head.weight, hf["model.embed_tokens.weight"])
+
+
+def test_a_synthetic_q4_k_m_file_stored_equals_hf_on_its_float32_conversion(tmp_path):
+    """A file as llama.cpp's Q4_K_M recipe writes it (Q4_K projections, Q6_K attn_v/ffn_down/output, the
+    default model's tokenizer), from the benchmark's generator at small shapes: read as stored, its greedy
+    tokens are Hugging Face float32's on the file converted by gguf.quants (weights_format="float32")."""
+    from minisgl.benchmark import synth_gguf
+
+    path = str(tmp_path / "q4km.gguf")
+    synth_gguf.main([path, "--hidden", "256", "--intermediate", "512", "--layers", "2", "--heads", "4",
+                     "--kv-heads", "2"])  # fmt: skip
+    prompts = [random_prompt(n, 49152, seed=n) for n in (7, 26)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    dirs = []
+    with make_llm(path, **tiny_llm_kwargs(weights_format="float32")) as llm:
+        dirs.append(llm.scheduler.engine.model_dir)
+    with make_llm(path, **tiny_llm_kwargs(weights_format="stored", attn=ATTNS[-1])) as llm:
+        engine = llm.scheduler.engine
+        layer = engine.model.model.layers[1]
+        types = {p.ggml_type for p in layer.self_attn.qkv_proj.weight.parts}
+        assert types == {Q.Q4_K, Q.Q6_K} and layer.mlp.down_proj.weight.parts[0].ggml_type == Q.Q6_K
+        outs = llm.generate(prompts, sp)
+        dirs.append(engine.model_dir)
+    ref = HFReference(dirs[0])
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what="Q4_K_M stored")
+    for d in dirs:  # the prepared directories of this temporary file
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(d + ".lock"):
+            os.unlink(d + ".lock")

@@ -1,0 +1,112 @@
+"""Write a GGUF file of random weights in llama.cpp's layout: a Llama-architecture model of the shapes
+given, its projections in the block types of a llama.cpp quantization recipe, the tokenizer (and chat
+template) of the embedded default model. For timing minisgl and llama.cpp on the same K-quant file where no
+real one can be downloaded.
+
+python -m minisgl.benchmark.synth_gguf OUT.gguf [--recipe q4_k_m] [--hidden 2048] [--layers 8]
+
+Recipes: q4_k_m (attn_v, ffn_down and the output head Q6_K, the rest Q4_K, as llama.cpp's Q4_K_M keeps
+them), q5_k_m (Q5_K and Q6_K), q6_k, q4_0, q8_0. Each block's fp16 scales are drawn so the weights have
+about 1/sqrt(fan-in) of spread; norms are ones."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from tqdm import tqdm
+
+RECIPES = {
+    "q4_k_m": {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},
+    "q5_k_m": {"default": "Q5_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},
+    "q6_k": {"default": "Q6_K"},
+    "q4_0": {"default": "Q4_0", "output": "Q8_0"},
+    "q8_0": {"default": "Q8_0"},
+}
+
+
+def random_blocks(name: str, n: int, k: int, spread: float, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes] of random blocks of type `name` whose dequantized values have about `spread` of
+    standard deviation (one fp16 scale per block, or two: the minimum's the same)."""
+    import gguf
+
+    from minisgl.kernel import stored
+
+    qtype = gguf.GGMLQuantizationType[name]
+    qk, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n * k // qk, nbytes), dtype=np.uint8)
+    offsets = stored.SCALE_OFFSETS[name]
+    for off in offsets:
+        blocks[:, off : off + 2] = np.float16(1.0).reshape(1, 1).view(np.uint8)
+    unit = float(gguf.quants.dequantize(blocks[:256], qtype).std())  # the spread at unit scales
+    for off in offsets:
+        d = (spread / unit) * rng.uniform(0.5, 1.5, size=(len(blocks), 1))
+        blocks[:, off : off + 2] = d.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import gguf
+
+    from minisgl.utils.hf import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--recipe", default="q4_k_m", choices=list(RECIPES))
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    recipe = RECIPES[args.recipe]
+    source = gguf.GGUFReader(default_model_path())
+    vocab = int(source.fields["llama.vocab_size"].contents())
+    h, inter, head_dim = args.hidden, args.intermediate, args.hidden // args.heads
+    writer = gguf.GGUFWriter(args.out, "llama")
+    writer.add_name(f"random llama {args.layers}x{h} {args.recipe}")
+    for key, value in [
+        ("block_count", args.layers),
+        ("context_length", 8192),
+        ("embedding_length", h),
+        ("feed_forward_length", inter),
+        ("attention.head_count", args.heads),
+        ("attention.head_count_kv", args.kv_heads),
+        ("rope.dimension_count", head_dim),
+        ("vocab_size", vocab),
+    ]:
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.rope.freq_base", 500000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for name, field in source.fields.items():  # the default model's tokenizer, as its file holds it
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    rng = np.random.default_rng(args.seed)
+    kv = args.kv_heads * head_dim
+    tensors = [("token_embd", vocab, h)]
+    for i in range(args.layers):
+        tensors += [(f"blk.{i}.attn_norm", 1, h), (f"blk.{i}.ffn_norm", 1, h)]
+        tensors += [(f"blk.{i}.attn_q", h, h), (f"blk.{i}.attn_k", kv, h), (f"blk.{i}.attn_v", kv, h)]
+        tensors += [(f"blk.{i}.attn_output", h, h), (f"blk.{i}.ffn_gate", inter, h)]
+        tensors += [(f"blk.{i}.ffn_up", inter, h), (f"blk.{i}.ffn_down", h, inter)]
+    tensors += [("output_norm", 1, h), ("output", vocab, h)]
+    for name, n, k in tqdm(tensors, desc="Writing random blocks", unit="tensor"):
+        if n == 1:  # a norm: float32 ones
+            writer.add_tensor(f"{name}.weight", np.ones(k, np.float32))
+            continue
+        kind = name.split(".")[-1]
+        qtype = recipe.get(kind, recipe["default"])
+        spread = 0.02 if kind == "token_embd" else k**-0.5
+        data = random_blocks(qtype, n, k, spread, rng)
+        writer.add_tensor(f"{name}.weight", data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
