@@ -907,6 +907,7 @@ static void deq_q32(int type, const uint8_t *src, int64_t n, float *out) {
     }
 }
 
+#if !HAVE_AVX2 /* the scalar forms of deq_chunk (which AVX2 builds use instead) */
 /* Q5_0 / Q5_1: Q4_0 / Q4_1 with a fifth bit a value, the 32 of a block in one little-endian word qh after
  * the scale (and minimum): (q - 16) d, q d + m. */
 static void deq_q5(int type, const uint8_t *src, int64_t n, float *out) {
@@ -1004,6 +1005,7 @@ static void deq_q6_k(const uint8_t *src, int64_t n, float *out) {
         }
     }
 }
+#endif
 
 /* fp16 / bf16 (bf: 1) -> float32: exact widening. */
 static void deq_half(const uint8_t *src, int64_t n, float *out, int bf) {
