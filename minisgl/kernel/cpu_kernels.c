@@ -835,6 +835,28 @@ static inline __attribute__((always_inline)) void deq_krun(const int type, const
     }
 }
 
+#if VW == 16
+/* Runs c = 4h + s and c + 2 (s 0 or 1) of a Q6_K block at once, into v[0..1] and v[2..3]: the two share
+ * their ql bytes (low nibbles, high nibbles) and qh bytes (bits 2s..2s+1, 2s+4..2s+5), read once. dl: the
+ * block's kscales. The same arithmetic as deq_krun's. */
+static inline __attribute__((always_inline)) void deq_q6k_pair(const uint8_t *src, const int h, const int s,
+                                                               const float *dl, vf v[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(src + 64 * h + 32 * s));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(src + 128 + 32 * h));
+    // the two high bits of each run moved to bits 4-5 (16-bit shifts: what crosses bytes is masked off)
+    const __m256i h0 = _mm256_and_si256(s ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4), m30);
+    const __m256i h1 = _mm256_and_si256(s ? _mm256_srli_epi16(qh, 2) : qh, m30);
+    const __m256i q0 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql, m4), h0), k32);
+    const __m256i q1 = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4), h1), k32);
+    const float *d0 = dl + 8 * h + 2 * s, *d1 = d0 + 4;  // runs c and c + 2: two 16-value scales each
+    v[0] = _mm512_mul_ps(_mm512_set1_ps(d0[0]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q0))));
+    v[1] = _mm512_mul_ps(_mm512_set1_ps(d0[1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q0, 1))));
+    v[2] = _mm512_mul_ps(_mm512_set1_ps(d1[0]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q1))));
+    v[3] = _mm512_mul_ps(_mm512_set1_ps(d1[1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q1, 1))));
+}
+#endif
+
 /* Values [32 idx, 32 idx + 32) of a stored row dequantized into 32 / VW vectors, for every quantized type:
  * Q4_0/Q4_1/Q8_0 through deq32, the others here with the scalar routines' arithmetic (each product of a
  * scale and a quant exact, the fused multiply-add rounding once where the reference subtracts or adds). A
@@ -1186,6 +1208,20 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
                 blk[r] = p[r] + k0 / 256 * block_bytes(type);
                 kscales(type, blk[r], kdl[r], knml[r]);
             }
+#if VW == 16
+            if (type == GT_Q6_K) {  // runs in pairs that share their bytes
+#pragma GCC unroll 4
+                for (int pr = 0; pr < 4; pr++)
+                    for (int r = 0; r < GR; r++) {
+                        vf v[4];
+                        const int c = 4 * (pr / 2) + pr % 2;
+                        deq_q6k_pair(blk[r], pr / 2, pr % 2, kdl[r], v);
+                        dot_rows(M, v, x + k0 + 32 * c, ldx, acc[r]);
+                        dot_rows(M, v + 2, x + k0 + 32 * (c + 2), ldx, acc[r]);
+                    }
+                continue;
+            }
+#endif
 #pragma GCC unroll 8
             for (int c8 = 0; c8 < 8; c8++)
                 for (int r = 0; r < GR; r++) {
