@@ -78,7 +78,34 @@ SPECS = {
     "llama": ("LlamaForCausalLM", "llama", LLAMA_TYPES, {**_LLAMA, **_COMMON, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", QWEN3_TYPES, {**_QWEN3, **_COMMON, "tie_word_embeddings": False}),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", QWEN2_TYPES, {**_QWEN2, **_COMMON, "tie_word_embeddings": False}),
-}
+    # Llama 3.1's rope scaling, which llama.cpp writes as a rope_freqs tensor of per-frequency divisors
+    "llama31": ("LlamaForCausalLM", "llama", LLAMA_TYPES, {**_LLAMA, **_COMMON, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+}  # fmt: skip
+
+
+def _llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf for a llama3 rope scaling: each frequency's divisor."""
+    import math
+
+    low, high, old = (
+        rope["low_freq_factor"],
+        rope["high_freq_factor"],
+        rope["original_max_position_embeddings"],
+    )
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _blocks(w: torch.Tensor, qtype: Q, seed: int) -> np.ndarray:
@@ -150,6 +177,8 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
     ]:
         writer.add_uint32(f"{gguf_arch}.{key}", value)
     writer.add_float32(f"{gguf_arch}.rope.freq_base", float(config.rope_parameters["rope_theta"]))
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(config.rope_parameters, head_dim))
     writer.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
     state = {}
     for i, (hf, w) in enumerate(model.state_dict().items()):
@@ -198,7 +227,14 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
         model = engine.model
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, StoredWeight)
         assert isinstance(model.lm_head.weight, StoredWeight)
-        assert (model.lm_head.weight is model.model.embed_tokens.weight) == (name == "llama")
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == SPECS[name][3][
+            "tie_word_embeddings"
+        ]
+        if name == "llama31":  # the rope scaling read back from the file's rope_freqs tensor
+            scaling = engine.model_config.rope_scaling
+            assert {k: scaling[k] for k in SPECS[name][3]["rope_parameters"] if k != "rope_theta"} == {
+                k: v for k, v in SPECS[name][3]["rope_parameters"].items() if k != "rope_theta"
+            }
         # the blocks as stored are what stays resident (plus the float norms)
         assert engine.weight_bytes < os.path.getsize(gguf_path)
         outs = llm.generate(prompts, sp)
@@ -307,13 +343,14 @@ def test_gguf_dequantized_into_float_parameters_equals_the_reference(tmp_path):
 
 def test_a_synthetic_q4_k_m_file_stored_equals_hf_on_its_float32_conversion(tmp_path):
     """A file as llama.cpp's Q4_K_M recipe writes it (Q4_K projections, Q6_K attn_v/ffn_down/output, the
-    default model's tokenizer), from the benchmark's generator at small shapes: read as stored, its greedy
+    default model's tokenizer, Llama 3.2's rope scaling as a rope_freqs tensor), from the benchmark's
+    generator at small shapes: read as stored, its greedy
     tokens are Hugging Face float32's on the file converted by gguf.quants (weights_format="float32")."""
     from minisgl.benchmark import synth_gguf
 
     path = str(tmp_path / "q4km.gguf")
     synth_gguf.main([path, "--hidden", "256", "--intermediate", "512", "--layers", "2", "--heads", "4",
-                     "--kv-heads", "2"])  # fmt: skip
+                     "--kv-heads", "2", "--rope-freqs"])  # fmt: skip
     prompts = [random_prompt(n, 49152, seed=n) for n in (7, 26)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     dirs = []
@@ -329,7 +366,32 @@ def test_a_synthetic_q4_k_m_file_stored_equals_hf_on_its_float32_conversion(tmp_
     ref = HFReference(dirs[0])
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], ref, prompt, what="Q4_K_M stored")
+    # Llama 3.2's rope scaling, from the file's rope_freqs, in both the conversion and the stored model
+    rope = ref.model.config.rope_parameters
+    got = (rope.get("rope_type"), rope.get("factor"), rope.get("original_max_position_embeddings"))
+    assert got == ("llama3", 32.0, 8192), f"the float32 conversion's rope: {rope}"
+    assert engine.model_config.rope_scaling["rope_type"] == "llama3"
     for d in dirs:  # the prepared directories of this temporary file
         shutil.rmtree(d, ignore_errors=True)
         if os.path.exists(d + ".lock"):
             os.unlink(d + ".lock")
+
+
+def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path):
+    """A rope_freqs tensor no llama3 rope scaling produces: an error naming it, not a silent guess."""
+    from minisgl.utils.gguf_file import hf_config, open_gguf
+
+    path = str(tmp_path / "odd-rope.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in [("block_count", 1), ("context_length", 64), ("embedding_length", 64),
+                       ("feed_forward_length", 64), ("attention.head_count", 2), ("vocab_size", 32)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    writer.add_tensor("rope_freqs.weight", np.linspace(1.0, 3.0, 16, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope_freqs.weight matches no llama3 rope scaling"):
+        hf_config(open_gguf(path))

@@ -3,7 +3,7 @@ given, its projections in the block types of a llama.cpp quantization recipe, th
 template) of the embedded default model. For timing minisgl and llama.cpp on the same K-quant file where no
 real one can be downloaded.
 
-python -m minisgl.benchmark.synth_gguf OUT.gguf [--recipe q4_k_m] [--hidden 2048] [--layers 8]
+python -m minisgl.benchmark.synth_gguf OUT.gguf [--recipe q4_k_m] [--hidden 2048] [--layers 8] [--rope-freqs]
 
 Recipes: q4_k_m (attn_v, ffn_down and the output head Q6_K, the rest Q4_K, as llama.cpp's Q4_K_M keeps
 them), q5_k_m (Q5_K and Q6_K), q6_k, q4_0, q8_0. Each block's fp16 scales are drawn so the weights have
@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rope-freqs",
+        action="store_true",
+        help="Llama 3.2's rope scaling (factor 32 over 8192), as rope_freqs",
+    )
     args = ap.parse_args(argv)
     recipe = RECIPES[args.recipe]
     source = gguf.GGUFReader(default_model_path())
@@ -92,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         tensors += [(f"blk.{i}.attn_output", h, h), (f"blk.{i}.ffn_gate", inter, h)]
         tensors += [(f"blk.{i}.ffn_up", inter, h), (f"blk.{i}.ffn_down", h, inter)]
     tensors += [("output_norm", 1, h), ("output", vocab, h)]
+    if args.rope_freqs:
+        from minisgl.utils.gguf_file import llama3_factors
+
+        factors = llama3_factors(head_dim, 500000.0, 32.0, 1.0, 4.0, 8192)
+        writer.add_tensor("rope_freqs.weight", factors)
     for name, n, k in tqdm(tensors, desc="Writing random blocks", unit="tensor"):
         if n == 1:  # a norm: float32 ones
             writer.add_tensor(f"{name}.weight", np.ones(k, np.float32))

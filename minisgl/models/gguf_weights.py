@@ -64,6 +64,8 @@ def iter_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[st
     reader = open_gguf(path)
     permute = field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # Llama 3's rope scaling, read into the config (utils/gguf_file.py)
+            continue
         name = hf_name(t.name)
         shape = [int(s) for s in t.shape]  # GGUF order: the contiguous dim first
         k, n = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1

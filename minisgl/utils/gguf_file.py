@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 from typing import Any
+
+import numpy as np
 
 GGUF_LINK = "model.gguf"  # in a prepared directory: the file the weights are read from
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -39,8 +42,8 @@ def hf_config(reader: Any) -> dict[str, Any]:
             f"GGUF architecture {arch!r} is not supported as stored (supported: {', '.join(_ARCHITECTURES)})"
         )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names or field(reader, f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError("GGUF files with rope scaling are not supported as stored")
+    if field(reader, f"{arch}.rope.scaling.type", "none") != "none":
+        raise ValueError("GGUF files with rope scaling metadata are not supported as stored")
 
     def key(name: str, default: Any = None) -> Any:
         value = field(reader, f"{arch}.{name}", default)
@@ -68,11 +71,47 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if "rope_freqs.weight" in names:  # Llama 3.1+: the llama3 rope scaling, written as per-frequency factors
+        config["rope_scaling"] = llama3_scaling(reader, config)
     for name in ("bos", "eos", "padding"):
         token = field(reader, f"tokenizer.ggml.{name}_token_id")
         if token is not None:
             config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(token)
     return config
+
+
+def llama3_factors(
+    head_dim: int, theta: float, factor: float, low: float, high: float, old_len: int
+) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs.weight for a llama3 rope scaling
+    (1 for short wavelengths, `factor` for long ones, a smooth blend between)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def llama3_scaling(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The llama3 rope scaling whose factors the file holds: the factor is their largest; the low/high
+    frequency factors and the original context are those of Llama 3.1-3.3 (1, 4) at the power of two that
+    reproduces the file's factors. Another set of factors is refused: no HF config would say it."""
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    stored_factors = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    factor = float(stored_factors.max())
+    for exp in range(4, 21):
+        cand = llama3_factors(config["head_dim"], config["rope_theta"], factor, 1.0, 4.0, 2**exp)
+        if cand.shape == stored_factors.shape and np.allclose(cand, stored_factors, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 2**exp}  # fmt: skip
+    raise ValueError("the GGUF file's rope_freqs.weight matches no llama3 rope scaling; it is not supported")
 
 
 def prepare_stored(gguf_path: str, out: str) -> str:

@@ -81,6 +81,7 @@ def convert_gguf(gguf_path: str) -> str:
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
         with _step("Step 3/4: reading and dequantizing the weights"):
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+            _keep_llama3_rope(gguf_path, model.config)
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         with _step("Step 4/4: writing safetensors, config and tokenizer"):
@@ -88,6 +89,23 @@ def convert_gguf(gguf_path: str) -> str:
         os.replace(tmp, out)
         logger.info(f"Model prepared in {time.monotonic() - t0:.0f} s; later starts read it from {out}")
     return out
+
+
+def _keep_llama3_rope(gguf_path: str, config: Any) -> None:
+    """transformers' GGUF reader drops a Llama 3.1+ file's rope_freqs tensor (its llama3 rope scaling):
+    put the scaling it encodes back into the config."""
+    from .gguf_file import llama3_scaling, open_gguf
+
+    reader = open_gguf(gguf_path)
+    if not any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        return
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    config.rope_parameters = {
+        "rope_theta": theta,
+        **llama3_scaling(reader, {"head_dim": head_dim, "rope_theta": theta}),
+    }
 
 
 def _save_converted(model: Any, tok: Any, out: str) -> None:
