@@ -395,3 +395,31 @@ def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="rope_freqs.weight matches no llama3 rope scaling"):
         hf_config(open_gguf(path))
+
+
+def test_the_cache_is_keyed_by_the_files_contents(tmp_path, monkeypatch):
+    """The same file at another path (another virtual environment, a reinstall) finds the prepared
+    directory instead of adding one, and its link follows the file; other contents get their own."""
+    from minisgl.utils.gguf_file import GGUF_LINK
+    from minisgl.utils.hf import resolve_model_path
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    first, _ = write_tiny_gguf("llama", str(tmp_path))
+    second = str(tmp_path / "elsewhere" / "llama.gguf")
+    os.makedirs(os.path.dirname(second))
+    shutil.copy(first, second)
+    prepared = resolve_model_path(first, weights_format="stored")
+    os.remove(first)
+    assert resolve_model_path(second, weights_format="stored") == prepared
+    assert os.path.realpath(os.path.join(prepared, GGUF_LINK)) == os.path.realpath(second)
+    assert len(os.listdir(os.path.join(tmp_path, "cache", "gguf"))) == 2  # the directory and its lock
+
+    # one byte changed at the end (the last tensor's data): another key
+    third = str(tmp_path / "changed.gguf")
+    shutil.copy(second, third)
+    with open(third, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert resolve_model_path(third, weights_format="stored") != prepared

@@ -115,13 +115,18 @@ def llama3_scaling(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare_stored(gguf_path: str, out: str) -> str:
-    """Write `out` (config, tokenizer, a link to the file) once; later starts find it."""
-    if os.path.isfile(os.path.join(out, "config.json")):
-        return out
+    """Write `out` (config, tokenizer, a link to the file) once; later starts find it, and point its link
+    at `gguf_path` (the same contents may have been prepared from another path, since removed)."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.isfile(os.path.join(out, "config.json")):
+            link = os.path.join(out, GGUF_LINK)
+            if os.readlink(link) != os.path.abspath(gguf_path):
+                if os.path.lexists(link + ".tmp"):
+                    os.remove(link + ".tmp")
+                os.symlink(os.path.abspath(gguf_path), link + ".tmp")
+                os.replace(link + ".tmp", link)
             return out
         reader = open_gguf(gguf_path)
         tmp = out + ".tmp"

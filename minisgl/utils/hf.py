@@ -37,11 +37,26 @@ def default_model_path() -> str:
     return path
 
 
+_KEY_SAMPLES = 16  # 1 MiB reads spread over the file, first and last included
+_KEY_SAMPLE = 1 << 20
+
+
+def _content_key(path: str) -> str:
+    """A key for a file's contents: its size and sampled bytes (16 MiB read, whatever the file's size).
+    Not its path or time, so the same file installed in another virtual environment, or reinstalled,
+    finds the cache instead of adding a copy to it."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(_KEY_SAMPLES):
+            f.seek(max(0, size - _KEY_SAMPLE) * i // (_KEY_SAMPLES - 1))
+            h.update(f.read(_KEY_SAMPLE))
+    return h.hexdigest()
+
+
 def _gguf_cache_dir(gguf_path: str) -> str:
-    st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
     name = os.path.basename(gguf_path).rsplit(".", 1)[0]
-    return os.path.join(ENV.cache_dir, "gguf", f"{name}-{key[:16]}")
+    return os.path.join(ENV.cache_dir, "gguf", f"{name}-{_content_key(gguf_path)[:16]}")
 
 
 @contextlib.contextmanager
