@@ -15,14 +15,15 @@ from minisgl.kernel import stored
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
 
 
-def _naive_decode_attention(q, k_cache, v_cache, page_table, rows, lens, scale):
-    """Softmax attention of each request's query over its keys, one request and one head at a time, in
-    float64."""
+def _naive_decode_attention(q, k_cache, v_cache, page_table, rows, lens, scale, window=0):
+    """Softmax attention of each request's query over its keys (the last `window` of them where window >
+    0), one request and one head at a time, in float64."""
     B, Hq, D = q.shape
     group = Hq // k_cache.shape[1]
     out = torch.empty(B, Hq, D, dtype=torch.float64)
     for b in range(B):
-        slots = page_table[rows[b], : lens[b]].long()
+        first = max(0, lens[b] - window) if window else 0
+        slots = page_table[rows[b], first : lens[b]].long()
         for h in range(Hq):
             keys = k_cache[slots, h // group].double()
             values = v_cache[slots, h // group].double()
@@ -59,6 +60,30 @@ def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens,
     finally:
         torch.set_num_threads(before)
     expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows.tolist(), lens, scale)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [24, 128])
+@pytest.mark.parametrize("window", [1, 6, 50, 299])  # 299: the 300-key request's keys but its first
+@pytest.mark.parametrize("lens", [[33, 1, 100, 64, 5], [1, 700], [300]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sliding_window_decode_attention_matches_naive(head_dim, window, lens, threads):
+    """A sliding-window layer: each query attends its last `window` keys, one task or cut into splits."""
+    g = torch.Generator().manual_seed(window + head_dim)
+    k_cache = torch.randn(1000, 2, head_dim, generator=g) * 2
+    v_cache = torch.randn(1000, 2, head_dim, generator=g)
+    page_table = torch.randint(0, 1000, (5, 700), generator=g, dtype=torch.int32)
+    rows = torch.randperm(5, generator=g)[: len(lens)]
+    q = torch.randn(len(lens), 8, head_dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        out = cpu_kernels.decode_attention(q, k_cache, v_cache, page_table, rows, lens_t, 0.3, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows.tolist(), lens, 0.3, window)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 

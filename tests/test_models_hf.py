@@ -7,8 +7,14 @@ together equal Hugging Face; each prompt alone equals the batched result; every 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # must be set before Triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from helpers import (
     ARCH_NAMES,
     TINY_SPECS,
@@ -104,14 +110,6 @@ _SMALL |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 20}
 FEATURE_SPECS = [
     TinySpec("llama_biases", "LlamaForCausalLM", {**_SMALL, "attention_bias": True, "mlp_bias": True}, 11),
     TinySpec("qwen3_bias", "Qwen3ForCausalLM", {**_SMALL, "attention_bias": True}, 12),
-    # one layer full, one sliding (Qwen's max_window_layers), and Mistral's window on every layer
-    TinySpec(
-        "qwen2_window",
-        "Qwen2ForCausalLM",
-        {**_SMALL, "use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1},
-        13,
-    ),
-    TinySpec("mistral_window", "MistralForCausalLM", {**_SMALL, "sliding_window": 40}, 14),
     TinySpec(
         "qwen3_yarn",
         "Qwen3ForCausalLM",
@@ -130,26 +128,53 @@ FEATURE_SPECS = [
 
 
 @pytest.mark.parametrize("spec", FEATURE_SPECS, ids=lambda s: s.name)
-def test_config_features_equal_hf_or_are_bounded_by_the_window(spec, tmp_path):
+def test_config_features_equal_hf(spec, tmp_path):
     """Biases on every projection the config names (Llama's attention_bias and mlp_bias, Qwen3's
-    attention_bias on q/k/v and o), and YaRN's rope scaling, equal Hugging Face. A model whose layers slide over a window serves
-    sequences up to that window, where sliding changes nothing, equal to Hugging Face; a longer prompt is
-    refused naming the window."""
-    from minisgl.core import InvalidRequest
-
+    attention_bias on q/k/v and o), and YaRN's rope scaling, equal Hugging Face."""
     model_dir = build_tiny_model(spec, str(tmp_path / spec.name))
     ref = HFReference(model_dir)
-    window = spec.config_kwargs.get("sliding_window")
-    lens, out = ([7, 25], [33, 15]) if window else ([9, 30], [24, 18])  # a window: all 40 tokens in it
-    prompts = [random_prompt(n, _SMALL["vocab_size"], seed=200 + i) for i, n in enumerate(lens)]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out]
+    prompts = [random_prompt(n, _SMALL["vocab_size"], seed=200 + i) for i, n in enumerate([9, 30])]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 18)]
     with make_llm(model_dir, **tiny_llm_kwargs(attn=ATTNS[-1], page_size=4)) as llm:
         for prompt, o in zip(prompts, llm.generate(prompts, params)):
             assert_tokens_equal_hf(o["token_ids"], ref, prompt, what=spec.name)
-        if window:
-            assert llm.scheduler.max_seq_len == window
-            with pytest.raises(InvalidRequest, match=f"maximum sequence length is {window}"):
-                llm.generate([random_prompt(window, _SMALL["vocab_size"], seed=1)], params[0])
+
+
+# Sliding windows: one layer full, one sliding (Qwen2's max_window_layers), and Mistral's window on every
+# layer; a window of 13 keys, so prompts, chunks, cached prefixes and decodes all reach past it
+WINDOW = 13
+WINDOW_SPECS = [
+    TinySpec(
+        "qwen2_window",
+        "Qwen2ForCausalLM",
+        {**_SMALL, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+        13,
+    ),
+    TinySpec("mistral_window", "MistralForCausalLM", {**_SMALL, "sliding_window": WINDOW}, 14),
+]
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("spec", WINDOW_SPECS, ids=lambda s: s.name)
+def test_sliding_window_attention_equals_hf_past_the_window(spec, attn, tmp_path):
+    """Each sliding layer's queries see the window's last keys, as Hugging Face's: prompts shorter and
+    longer than the window prefilled in chunks of 8 (later chunks' prefixes past the window), decoded past
+    it, batched, then a prompt whose cached prefix is longer than the window."""
+    model_dir = build_tiny_model(spec, str(tmp_path / spec.name))
+    ref = HFReference(model_dir)
+    vocab = _SMALL["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed=300 + i) for i, n in enumerate([6, 11, 29])]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 17, 9)]
+    kwargs = tiny_llm_kwargs(attn=attn, page_size=4, max_prefill_length=8)
+    with make_llm(model_dir, **kwargs) as llm:
+        assert llm.scheduler.max_seq_len > WINDOW
+        for prompt, o in zip(prompts, llm.generate(prompts, params)):
+            assert_tokens_equal_hf(o["token_ids"], ref, prompt, what=f"{spec.name} {attn}")
+        longer = prompts[2] + random_prompt(5, vocab, seed=310)  # 29 tokens from the radix cache
+        before = llm.stats()["cached_prompt_tokens"]
+        (o,) = llm.generate([longer], params[2])
+        assert llm.stats()["cached_prompt_tokens"] - before == 28  # the pages of 4 under its 29 tokens
+        assert_tokens_equal_hf(o["token_ids"], ref, longer, what=f"{spec.name} {attn} cached prefix")
 
 
 def test_a_checkpoint_tensor_the_config_does_not_announce_is_refused_by_name(tmp_path):
@@ -227,3 +252,22 @@ def test_rotary_tables_equal_hugging_face(name):
     half = cfg.head_dim // 2
     torch.testing.assert_close(ours.cos_sin_cache[:, :half], cos[0, :, :half], rtol=0, atol=2e-6)
     torch.testing.assert_close(ours.cos_sin_cache[:, half:], sin[0, :, :half], rtol=0, atol=2e-6)
+
+
+def test_a_backend_that_does_not_slide_ends_sequences_at_the_window(tmp_path):
+    """Triton attention (interpreted on a CPU) has no sliding window: sequences end at the window, within
+    which sliding changes nothing, and equal Hugging Face there; a longer prompt is refused naming the
+    bound. The torch and cpu backends slide (above)."""
+    pytest.importorskip("triton")
+    from minisgl.core import InvalidRequest
+
+    spec = WINDOW_SPECS[1]
+    model_dir = build_tiny_model(spec, str(tmp_path / spec.name))
+    prompt = random_prompt(5, _SMALL["vocab_size"], seed=320)
+    params = SamplingParams(max_tokens=WINDOW - 5, ignore_eos=True)
+    with make_llm(model_dir, **tiny_llm_kwargs(attn="triton", page_size=4)) as llm:
+        assert llm.scheduler.max_seq_len == WINDOW
+        (o,) = llm.generate([prompt], params)
+        with pytest.raises(InvalidRequest, match=f"maximum sequence length is {WINDOW}"):
+            llm.generate([random_prompt(WINDOW, _SMALL["vocab_size"], seed=1)], params)
+    assert_tokens_equal_hf(o["token_ids"], HFReference(model_dir), prompt, what="triton within the window")

@@ -80,6 +80,14 @@ def resolve_attn_name(name: str, device: torch.device, dtype: torch.dtype | None
     return "torch"
 
 
+def attends_sliding_windows(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the backend(s) `name` resolves to attend over a layer's sliding window (AttnConfig.windows)."""
+    _register_optional()
+    return all(
+        ATTN_BACKENDS.get(resolve_attn_name(n.strip(), device, dtype)).sliding_window for n in name.split(",")
+    )
+
+
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 
 
@@ -119,6 +127,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "AttnConfig",
     "BaseAttnBackend",
+    "attends_sliding_windows",
     "attn_backend_names",
     "check_attn_name",
     "create_attn_backend",

@@ -25,16 +25,25 @@ class AttnConfig:
     max_seq_len: int
     device: torch.device
     dtype: torch.dtype
+    windows: tuple[int, ...] = ()  # each layer's attention window (0: full), () where no layer slides
 
 
 class BaseAttnBackend(ABC):
     """Prepare once per batch, then run once per layer."""
+
+    # whether the backend attends over a sliding window (AttnConfig.windows); without it, sequences end
+    # at the window, within which sliding changes nothing
+    sliding_window = False
 
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         self.config = config
         self.kv_pool = kv_pool
         self.page_table = page_table  # [max_running_req, max_seq_len] int32: position -> KV slot
         self.scale = config.head_dim**-0.5
+
+    def window(self, layer_id: int) -> int:
+        """The keys a query of this layer sees: the last `window` positions up to its own (0: all)."""
+        return self.config.windows[layer_id] if self.config.windows else 0
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
@@ -91,6 +100,7 @@ class HybridBackend(BaseAttnBackend):
     def __init__(self, prefill: BaseAttnBackend, decode: BaseAttnBackend) -> None:
         self.prefill, self.decode = prefill, decode
         self.config = decode.config
+        self.sliding_window = prefill.sliding_window and decode.sliding_window
 
     def _pick(self, batch: Batch) -> BaseAttnBackend:
         return self.decode if batch.is_decode else self.prefill

@@ -27,6 +27,8 @@ class CpuDecodeMetadata:
 
 
 class CpuAttnBackend(TorchAttnBackend):
+    sliding_window = True
+
     def __init__(self, config, kv_pool, page_table) -> None:
         super().__init__(config, kv_pool, page_table)
         if (
@@ -55,6 +57,13 @@ class CpuAttnBackend(TorchAttnBackend):
             kernel.store_kv(k_cache, v_cache, batch.out_loc, k, v)
         meta: CpuDecodeMetadata = batch.attn_metadata
         out = cpu_kernels.decode_attention(
-            q.float(), k_cache, v_cache, self.page_table, meta.rows, meta.lens, self.scale
+            q.float(),
+            k_cache,
+            v_cache,
+            self.page_table,
+            meta.rows,
+            meta.lens,
+            self.scale,
+            self.window(layer_id),
         )
         return out.to(q.dtype)

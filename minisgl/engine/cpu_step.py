@@ -74,7 +74,7 @@ def _norm_ptr(norm: torch.nn.Module | None, keep: list) -> int:
     return w.data_ptr()
 
 
-def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, keep: list) -> list[int]:
+def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ...], keep: list) -> list[int]:
     if type(layer.mlp) is not LlamaMLP or not isinstance(layer, LlamaDecoderLayer):
         raise Unsupported("a mixture-of-experts or non-Llama layer")
     attn: LlamaAttention = layer.self_attn
@@ -87,18 +87,23 @@ def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, keep: list) -> list[in
     words += [k_cache.data_ptr(), v_cache.data_ptr()]
     for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         words += _linear_words(proj, keep)
-    return words
+    return [*words, windows[lid] if windows else 0]
 
 
 class CpuDecodeStep:
     """Runs a decode batch's layers in one C call; `create` returns None where the model is not covered."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_pool: KVPool, page_table: torch.Tensor, int8: bool = False
+        self,
+        model: torch.nn.Module,
+        kv_pool: KVPool,
+        page_table: torch.Tensor,
+        windows: tuple[int, ...] = (),
+        int8: bool = False,
     ) -> None:
         cfg, inner = model.config, model.model
         self._keep: list = []  # every tensor whose address the descriptors hold
-        layers = [_layer_words(layer, kv_pool, self._keep) for layer in inner.layers]
+        layers = [_layer_words(layer, kv_pool, windows, self._keep) for layer in inner.layers]
         attn0 = inner.layers[0].self_attn
         norm_eps = {m.eps for layer in inner.layers for m in layer.modules() if hasattr(m, "eps")}
         norm_eps.add(inner.norm.eps)
@@ -142,7 +147,7 @@ class CpuDecodeStep:
                 raise Unsupported(f"{dtype} with {type(attn_backend).__name__}")
             if not cpu_kernels.decode_step_available():
                 raise Unsupported("a build without AVX2")
-            step = cls(model, kv_pool, page_table, int8=stored_dot == "int8")
+            step = cls(model, kv_pool, page_table, attn_backend.config.windows, int8=stored_dot == "int8")
         except (Unsupported, AttributeError) as e:
             logger.info(f"CPU decode step off ({e or 'not a Llama-family model'}): layer by layer")
             return None

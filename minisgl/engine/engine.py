@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from minisgl import kernel
-from minisgl.attention import AttnConfig, create_attn_backend, kv_cache_dtype
+from minisgl.attention import AttnConfig, attends_sliding_windows, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
 from minisgl.grammar import TokenMask, apply_token_mask
@@ -127,6 +127,7 @@ class Engine:
             max_seq_len=self.max_seq_len,
             device=self.device,
             dtype=self.dtype,
+            windows=cfg.attn_windows,
         )
         self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype, config.kv_cache_dtype)
         self.num_pages = self._plan_pages(attn_cfg)
@@ -177,11 +178,14 @@ class Engine:
     # ---- construction ----------------------------------------------------------------------------
     def _max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        window = self.model_config.sliding_window
-        if window and window < limit:  # no sliding-window attention here: within it every key is visible
-            limit = window
+        window = max(self.model_config.attn_windows, default=0)
+        if 0 < window < limit and not attends_sliding_windows(self.config.attn, self.device, self.dtype):
+            limit = window  # within the window every key is visible: sliding changes nothing there
             if self.config.tp_info.is_primary():
-                logger.info(f"Sequences end at the model's attention window of {window} tokens")
+                logger.info(
+                    f"Sequences end at the model's attention window of {window} tokens "
+                    f"(the {self.config.attn} attention backend does not slide; torch and cpu do)"
+                )
         if self.config.max_seq_len_override:
             limit = min(limit, self.config.max_seq_len_override)
         return limit

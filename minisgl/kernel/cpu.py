@@ -101,7 +101,23 @@ def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """lib with its entry points' argument types set."""
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    lib.decode_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32]
+    lib.decode_attention_f32.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        f32,
+        i64,
+        i32,
+    ]
     lib.decode_attention_f32.restype = None
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
@@ -162,8 +178,10 @@ def decode_attention(
     rows: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [B, Hq, D] float32 attends over keys 0..lens[b]-1 of page-table row rows[b] (int64 tensors);
+    """q [B, Hq, D] float32 attends over keys 0..lens[b]-1 of page-table row rows[b] (int64 tensors), the
+    last `window` of them where window > 0 (a sliding-window layer);
     k/v_cache [slots, Hkv, D]; page_table [rows, L] int32. Returns [B, Hq, D]. Same math as
     reference.decode_attention."""
     lib = _load()
@@ -190,6 +208,7 @@ def decode_attention(
         Hkv,
         D,
         scale,
+        window,
         torch.get_num_threads(),
     )
     return out

@@ -380,17 +380,20 @@ static void attend_group(const float *q, const float *k, const float *v, int64_t
 
 /* q, out: [B, Hq, D], rows q_stride floats apart for q, contiguous for out. k, v: [slots, Hkv, D]
  * contiguous. page_table: [rows, table_stride] int32. rows[b]: request b's page-table row; lens[b]: its
- * number of keys (all positions up to and including the query's). Query head h reads KV head h / (Hq / Hkv).
+ * number of keys (all positions up to and including the query's), of which a layer with a sliding window
+ * (window > 0) attends the last `window`. Query head h reads KV head h / (Hq / Hkv).
  * For the threads of an enclosing parallel region. One task per (request, KV head); where there are fewer
  * than two a thread (a lone request), each task's keys are cut into splits whose softmax states are
  * merged after: with 3 KV heads on 2 threads one thread would otherwise attend twice as long. */
 static void decode_attention_work(const float *q, int64_t q_stride, const float *k, const float *v,
                                   const int32_t *page_table, int64_t table_stride, const int64_t *rows,
-                                  const int64_t *lens, float *out, int B, int Hq, int Hkv, int D, float scale) {
+                                  const int64_t *lens, float *out, int B, int Hq, int Hkv, int D, float scale,
+                                  int64_t window) {
     const int G = Hq / Hkv, nt = omp_get_num_threads();
     const int64_t slot_stride = (int64_t)Hkv * D;
+#define FIRST_KEY(b) (window > 0 && lens[b] > window ? lens[b] - window : 0)
     int64_t longest = 0;
-    for (int b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
+    for (int b = 0; b < B; b++) longest = lens[b] - FIRST_KEY(b) > longest ? lens[b] - FIRST_KEY(b) : longest;
     int S = B * Hkv < 2 * nt ? (2 * nt + B * Hkv - 1) / (B * Hkv) : 1;
     if (S > longest / SPLIT_MIN) S = longest / SPLIT_MIN > 1 ? (int)(longest / SPLIT_MIN) : 1;
     if (S == 1) {
@@ -399,9 +402,11 @@ static void decode_attention_work(const float *q, int64_t q_stride, const float 
             for (int h = 0; h < Hkv; h++) {
                 float m[G], l[G], acc[G * D];
                 int64_t o_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
+                const int64_t first = FIRST_KEY(b);
                 online_softmax_init(m, l, acc, G, D);
                 attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
-                             slot_stride, page_table + rows[b] * table_stride, lens[b], G, D, scale, m, l, acc);
+                             slot_stride, page_table + rows[b] * table_stride + first, lens[b] - first, G, D,
+                             scale, m, l, acc);
                 online_softmax_finish(acc, l, G, D, out + o_off);
             }
         }
@@ -416,7 +421,8 @@ static void decode_attention_work(const float *q, int64_t q_stride, const float 
         for (int h = 0; h < Hkv; h++)
             for (int sp = 0; sp < S; sp++) {
                 float *pm = part + (((int64_t)b * Hkv + h) * S + sp) * W, *pl = pm + G, *pa = pl + G;
-                int64_t per = (lens[b] + S - 1) / S, lo = sp * per, hi = lo + per < lens[b] ? lo + per : lens[b];
+                const int64_t first = FIRST_KEY(b), n = lens[b] - first;
+                int64_t per = (n + S - 1) / S, lo = first + sp * per, hi = lo + per < lens[b] ? lo + per : lens[b];
                 online_softmax_init(pm, pl, pa, G, D);
                 if (lo < hi)
                     attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
@@ -441,14 +447,15 @@ static void decode_attention_work(const float *q, int64_t q_stride, const float 
             }
 #pragma omp single
     free(part);
+#undef FIRST_KEY
 }
 
 void decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *page_table,
                           int64_t table_stride, const int64_t *rows, const int64_t *lens, float *out, int B,
-                          int Hq, int Hkv, int D, float scale, int num_threads) {
+                          int Hq, int Hkv, int D, float scale, int64_t window, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     decode_attention_work(q, (int64_t)Hq * D, k, v, page_table, table_stride, rows, lens, out, B, Hq, Hkv, D,
-                          scale);
+                          scale, window);
 }
 
 /* ---- elementwise ---------------------------------------------------------------------------------------- */
@@ -1962,7 +1969,8 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
  * A linear layer is LIN_WORDS int64: [parts, bias, then (kind, ggml type, data, row bytes, rows) per part]
  * with kind 0 float32 panels (pack_weight_f32) and kind 1 stored rows; parts stack along the output. */
 #define LIN_WORDS 17
-#define LAYER_WORDS (6 + 4 * LIN_WORDS) /* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down */
+/* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down, the attention window (0: full) */
+#define LAYER_WORDS (7 + 4 * LIN_WORDS)
 #define MODEL_WORDS 16
 /* qx (not NULL: int8 mode, room for M quantized rows of K): with K a multiple of 32, x is quantized once
  * and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every part without qx) the exact kernels. */
@@ -2042,7 +2050,7 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
                 memcpy(vc + loc[b] * kv_row, v, kv_row * sizeof(float));
             }
             decode_attention_work(qkv, QKV, kc, vc, pt, m[10], rows, lens, att, (int)B, (int)Hq, (int)Hkv, (int)D,
-                                  scale);
+                                  scale, ly[6 + 4 * LIN_WORDS]);
             lin_run(ly + 6 + LIN_WORDS, att, Hq * D, x, H, B, Hq * D, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++)

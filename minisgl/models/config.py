@@ -15,17 +15,25 @@ _BY_MODEL_TYPE = {
 }
 
 
-def _sliding_window(hf: Any) -> int | None:
-    """The attention window of a config whose layers (some or all) slide: Mistral's `sliding_window`,
-    Qwen2/Qwen3's with `use_sliding_window` from layer `max_window_layers` on; transformers lists which
-    layers slide in `layer_types` where the config has them."""
+# architectures whose HF attention slides on every layer once the config has a window
+_SLIDE_ALL = ("mistral", "mixtral", "qwen3_moe")
+
+
+def _attn_windows(hf: Any) -> tuple[int, ...]:
+    """Each layer's attention window (0: full attention), () where no layer slides, as HF's models apply
+    them: Mistral, Mixtral and Qwen3-MoE slide on every layer once `sliding_window` is set (Qwen3-MoE's
+    config drops it without `use_sliding_window`); Qwen2/Qwen3 on the layers that `layer_types` names
+    `sliding_attention` (from `max_window_layers` on)."""
     window = getattr(hf, "sliding_window", None)
     if not window:
-        return None
+        return ()
     types = getattr(hf, "layer_types", None)
-    if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    return int(window) if getattr(hf, "use_sliding_window", True) else None
+    if getattr(hf, "model_type", None) in _SLIDE_ALL or types is None:
+        if not getattr(hf, "use_sliding_window", True):
+            return ()
+        types = ["sliding_attention"] * hf.num_hidden_layers
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 @dataclass
@@ -71,7 +79,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None  # the window of the layers that slide, where any does
+    attn_windows: tuple[int, ...] = ()  # each layer's attention window (0: full), () where none slides
     eos_token_ids: list = field(default_factory=list)
     moe: MoEConfig | None = None
     hf_config: Any = None
@@ -106,7 +114,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)) or arch.startswith("Qwen2"),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_window=_sliding_window(hf),
+            attn_windows=_attn_windows(hf),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
