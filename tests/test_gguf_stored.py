@@ -82,6 +82,10 @@ SPECS = {
     "llama31": ("LlamaForCausalLM", "llama", LLAMA_TYPES, {**_LLAMA, **_COMMON, "tie_word_embeddings": True,
                 "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    # YaRN as llama.cpp's converter writes it: rope.scaling.* metadata keys
+    "qwen2_yarn": ("Qwen2ForCausalLM", "qwen2", QWEN2_TYPES, {**_QWEN2, **_COMMON, "tie_word_embeddings": False,
+                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 16.0,
+                                       "original_max_position_embeddings": 32}}),
 }  # fmt: skip
 
 
@@ -177,8 +181,16 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
     ]:
         writer.add_uint32(f"{gguf_arch}.{key}", value)
     writer.add_float32(f"{gguf_arch}.rope.freq_base", float(config.rope_parameters["rope_theta"]))
-    if config.rope_parameters.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(config.rope_parameters, head_dim))
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(rope, head_dim))
+    elif rope.get("rope_type") in ("linear", "yarn"):
+        writer.add_string(f"{gguf_arch}.rope.scaling.type", rope["rope_type"])
+        writer.add_float32(f"{gguf_arch}.rope.scaling.factor", rope["factor"])
+        if rope["rope_type"] == "yarn":
+            old_len = rope["original_max_position_embeddings"]
+            writer.add_uint32(f"{gguf_arch}.rope.scaling.original_context_length", old_len)
+            writer.add_float32(f"{gguf_arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
     writer.add_float32(f"{gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
     state = {}
     for i, (hf, w) in enumerate(model.state_dict().items()):
@@ -230,7 +242,7 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == SPECS[name][3][
             "tie_word_embeddings"
         ]
-        if name == "llama31":  # the rope scaling read back from the file's rope_freqs tensor
+        if name in ("llama31", "qwen2_yarn"):  # the rope scaling read back from the file
             scaling = engine.model_config.rope_scaling
             assert {k: scaling[k] for k in SPECS[name][3]["rope_parameters"] if k != "rope_theta"} == {
                 k: v for k, v in SPECS[name][3]["rope_parameters"].items() if k != "rope_theta"
@@ -395,6 +407,71 @@ def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="rope_freqs.weight matches no llama3 rope scaling"):
         hf_config(open_gguf(path))
+
+
+def _rope_only_gguf(path: str, keys: dict) -> str:
+    """A one-tensor llama file with the given rope.scaling metadata (strings, floats or ints)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("llama.attention.head_count", 2)
+    for key, value in keys.items():
+        add = {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)]
+        add(f"llama.rope.scaling.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "keys,expected",
+    [
+        ({"type": "none"}, None),
+        ({"type": "linear", "factor": 2.5}, {"rope_type": "linear", "factor": 2.5}),
+        (
+            {"type": "yarn", "factor": 4.0, "original_context_length": 4096, "yarn_attn_factor": 1.25,
+             "yarn_beta_slow": 2.0, "yarn_ext_factor": 1.0, "attn_factor": 1.0},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+             "attention_factor": 1.25, "beta_slow": 2.0},
+        ),
+        ({"type": "longrope", "factor": 2.0}, "rope scaling type 'longrope' is not supported"),
+        ({"type": "yarn", "factor": 4.0}, "no llama.rope.scaling.original_context_length"),
+        ({"type": "linear"}, "has no llama.rope.scaling.factor"),
+        ({"type": "yarn", "factor": 4.0, "original_context_length": 64, "yarn_log_multiplier": 0.1},
+         r"yarn_log_multiplier = 0.1\d* is not supported"),
+        ({"type": "linear", "factor": 2.0, "attn_factor": 0.5}, "attn_factor = 0.5 is not supported"),
+    ],
+)  # fmt: skip
+def test_rope_scaling_metadata_becomes_the_hf_rope_scaling_or_is_refused_by_name(keys, expected, tmp_path):
+    """llama.cpp's rope.scaling keys: linear and YaRN become HF's rope scaling (YaRN's attention factor and
+    betas by their HF names); another type, a missing factor or context length, or a key that would
+    change the rotation beyond HF's config is an error naming it."""
+    from minisgl.utils.gguf_file import open_gguf, rope_scaling
+
+    reader = open_gguf(_rope_only_gguf(str(tmp_path / "rope.gguf"), keys))
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            rope_scaling(reader, 64, 1e4)
+    else:
+        assert rope_scaling(reader, 64, 1e4) == expected
+
+
+def test_the_float32_conversion_keeps_the_files_rope_scaling(tmp_path):
+    """transformers' GGUF reader drops rope scaling: the conversion puts the file's back into the config
+    it saves (YaRN from metadata keys here, Llama 3's rope_freqs in the Q4_K_M test above)."""
+    from transformers import AutoConfig
+
+    from minisgl.utils.hf import _keep_rope_scaling
+
+    gguf_path, hf_dir = write_tiny_gguf("qwen2_yarn", str(tmp_path))
+    config = AutoConfig.from_pretrained(hf_dir)
+    expected = dict(config.rope_parameters)
+    config.rope_parameters = {"rope_theta": expected["rope_theta"], "rope_type": "default"}
+    _keep_rope_scaling(gguf_path, config)
+    assert {k: v for k, v in config.rope_parameters.items() if v is not None} == {
+        k: v for k, v in expected.items() if v is not None
+    }
 
 
 def test_the_cache_is_keyed_by_the_files_contents(tmp_path, monkeypatch):

@@ -42,8 +42,6 @@ def hf_config(reader: Any) -> dict[str, Any]:
             f"GGUF architecture {arch!r} is not supported as stored (supported: {', '.join(_ARCHITECTURES)})"
         )
     names = {t.name for t in reader.tensors}
-    if field(reader, f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError("GGUF files with rope scaling metadata are not supported as stored")
 
     def key(name: str, default: Any = None) -> Any:
         value = field(reader, f"{arch}.{name}", default)
@@ -71,13 +69,56 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if "rope_freqs.weight" in names:  # Llama 3.1+: the llama3 rope scaling, written as per-frequency factors
-        config["rope_scaling"] = llama3_scaling(reader, config)
+    scaling = rope_scaling(reader, config["head_dim"], config["rope_theta"])
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     for name in ("bos", "eos", "padding"):
         token = field(reader, f"tokenizer.ggml.{name}_token_id")
         if token is not None:
             config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(token)
     return config
+
+
+# the rope.scaling keys read (llama.cpp's converter writes them from the HF config's rope scaling), each
+# with the HF key it becomes and, for keys HF has no counterpart of, the only value the file may give
+_YARN_KEYS = {
+    "yarn_attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+_NEUTRAL_KEYS = {"attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0, "finetuned": None}
+
+
+def rope_scaling(reader: Any, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """The HF rope scaling of the file: llama.cpp's `rope.scaling.*` metadata (linear or YaRN), or a Llama
+    3.1+ `rope_freqs.weight` tensor (llama3); None without either. Other types and keys that change the
+    rotation beyond what HF's config expresses are refused by name."""
+    arch = field(reader, "general.architecture")
+    prefix = f"{arch}.rope.scaling."
+    kind = field(reader, prefix + "type", "none")
+    if kind == "none":
+        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+            return llama3_scaling(reader, {"head_dim": head_dim, "rope_theta": theta})
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"the GGUF file's rope scaling type {kind!r} is not supported (linear and yarn are)")
+    factor = field(reader, prefix + "factor")
+    if not factor:
+        raise ValueError(f"the GGUF file's {kind} rope scaling has no {prefix}factor")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    for key in (k[len(prefix) :] for k in reader.fields if k.startswith(prefix)):
+        value = field(reader, prefix + key)
+        if key in ("type", "factor", "original_context_length") or (kind == "yarn" and key in _YARN_KEYS):
+            if key in _YARN_KEYS:
+                scaling[_YARN_KEYS[key]] = float(value)
+        elif key not in _NEUTRAL_KEYS or (_NEUTRAL_KEYS[key] is not None and value != _NEUTRAL_KEYS[key]):
+            raise ValueError(f"the GGUF file's {prefix}{key} = {value!r} is not supported")
+    if kind == "yarn":
+        old_len = field(reader, prefix + "original_context_length")
+        if not old_len:
+            raise ValueError(f"the GGUF file's yarn rope scaling has no {prefix}original_context_length")
+        scaling["original_max_position_embeddings"] = int(old_len)
+    return scaling
 
 
 def llama3_factors(

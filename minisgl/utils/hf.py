@@ -96,7 +96,7 @@ def convert_gguf(gguf_path: str) -> str:
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
         with _step("Step 3/4: reading and dequantizing the weights"):
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-            _keep_llama3_rope(gguf_path, model.config)
+            _keep_rope_scaling(gguf_path, model.config)
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         with _step("Step 4/4: writing safetensors, config and tokenizer"):
@@ -106,21 +106,17 @@ def convert_gguf(gguf_path: str) -> str:
     return out
 
 
-def _keep_llama3_rope(gguf_path: str, config: Any) -> None:
-    """transformers' GGUF reader drops a Llama 3.1+ file's rope_freqs tensor (its llama3 rope scaling):
-    put the scaling it encodes back into the config."""
-    from .gguf_file import llama3_scaling, open_gguf
+def _keep_rope_scaling(gguf_path: str, config: Any) -> None:
+    """transformers' GGUF reader drops a file's rope scaling (llama.cpp's rope.scaling metadata, a Llama
+    3.1+ rope_freqs tensor): put the scaling back into the config."""
+    from .gguf_file import open_gguf, rope_scaling
 
-    reader = open_gguf(gguf_path)
-    if not any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        return
     rope = getattr(config, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    config.rope_parameters = {
-        "rope_theta": theta,
-        **llama3_scaling(reader, {"head_dim": head_dim, "rope_theta": theta}),
-    }
+    scaling = rope_scaling(open_gguf(gguf_path), head_dim, theta)
+    if scaling is not None:
+        config.rope_parameters = {"rope_theta": theta, **scaling}
 
 
 def _save_converted(model: Any, tok: Any, out: str) -> None:
