@@ -1,6 +1,7 @@
 """GGUF files read as stored equal Hugging Face on the dequantized weights.
 
-Tiny random Llama (tied head), Qwen3 (untied, q/k norms) and Qwen2 (q/k/v biases) models are written as
+Tiny random Llama (tied head), Qwen3 (untied, q/k norms), Qwen2 (q/k/v biases), Qwen3-MoE and Mixtral
+(experts in 3-D tensors, each expert's blocks read as stored) models are written as
 GGUF files the way llama.cpp's converter writes them (its metadata keys, its q/k row permutation for
 Llama), with a different block type per projection: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/F16 blocks from gguf's own
 quantizer, Q2_K/Q3_K/Q4_K/Q5_K/Q6_K random blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
@@ -57,6 +58,17 @@ QWEN2_TYPES = {
     "embed_tokens": Q.Q5_1,
     "lm_head": Q.Q5_0,
 }
+# the experts' block types (their 3-D tensors), the router stays float32
+MOE_TYPES = {**QWEN3_TYPES, "gate_exps": Q.Q4_K, "up_exps": Q.Q8_0, "down_exps": Q.Q6_K}
+MIXTRAL_TYPES = {
+    **LLAMA_TYPES,
+    "lm_head": Q.Q8_0,
+    "gate_exps": Q.Q4_0,
+    "up_exps": Q.Q4_0,
+    "down_exps": Q.Q5_K,
+}
+_MOE = {"num_experts_per_tok": 2}
+_HF_TYPES = {"qwen3moe": "qwen3_moe", "MixtralForCausalLM": "mixtral"}  # where AutoConfig's name differs
 _GGUF_NAMES = {
     "q_proj": "attn_q",
     "k_proj": "attn_k",
@@ -82,6 +94,12 @@ SPECS = {
     "llama31": ("LlamaForCausalLM", "llama", LLAMA_TYPES, {**_LLAMA, **_COMMON, "tie_word_embeddings": True,
                 "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    # mixtures of experts: Qwen3-MoE (qwen3moe) and Mixtral (a llama with experts), experts in three 3-D
+    # tensors of one type each and the router in float32
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3moe", MOE_TYPES, {**_QWEN3, **_COMMON, "tie_word_embeddings": False,
+                  **_MOE, "num_experts": 4, "moe_intermediate_size": 256, "norm_topk_prob": True}),
+    "mixtral": ("MixtralForCausalLM", "llama", MIXTRAL_TYPES, {**_LLAMA, **_COMMON, **_MOE,
+                "tie_word_embeddings": False, "num_local_experts": 5}),
     # YaRN as llama.cpp's converter writes it: rope.scaling.* metadata keys
     "qwen2_yarn": ("Qwen2ForCausalLM", "qwen2", QWEN2_TYPES, {**_QWEN2, **_COMMON, "tie_word_embeddings": False,
                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 16.0,
@@ -157,7 +175,7 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
 
     arch, gguf_arch, types, kwargs = SPECS[name]
     config = AutoConfig.for_model(
-        gguf_arch,
+        _HF_TYPES.get(arch, _HF_TYPES.get(gguf_arch, gguf_arch)),
         initializer_range=0.15,
         rms_norm_eps=1e-6,
         max_position_embeddings=512,
@@ -180,6 +198,12 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
         ("vocab_size", config.vocab_size),
     ]:
         writer.add_uint32(f"{gguf_arch}.{key}", value)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_uint32(f"{gguf_arch}.expert_count", experts)
+        writer.add_uint32(f"{gguf_arch}.expert_used_count", config.num_experts_per_tok)
+        ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        writer.add_uint32(f"{gguf_arch}.expert_feed_forward_length", ffn)
     writer.add_float32(f"{gguf_arch}.rope.freq_base", float(config.rope_parameters["rope_theta"]))
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
@@ -195,6 +219,24 @@ def write_tiny_gguf(name: str, out_dir: str) -> tuple[str, str]:
     state = {}
     for i, (hf, w) in enumerate(model.state_dict().items()):
         if hf == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if ".experts." in hf:  # [E, out, in]: gate | up stacked in gate_up_proj, down_proj
+            layer = hf.split(".")[2]
+            pieces = w.chunk(2, dim=1) if hf.endswith("gate_up_proj") else (w,)
+            kinds = ("gate_exps", "up_exps") if hf.endswith("gate_up_proj") else ("down_exps",)
+            deq = []
+            for j, (kind, t) in enumerate(zip(kinds, pieces)):
+                blocks = _blocks(t.reshape(-1, t.shape[-1]), types[kind], seed=100 * i + j)
+                deq.append(
+                    torch.from_numpy(gguf.quants.dequantize(blocks, types[kind]).copy()).reshape(t.shape)
+                )
+                writer.add_tensor(f"blk.{layer}.ffn_{kind}.weight", blocks.reshape(*t.shape[:2], -1),
+                                  raw_dtype=types[kind])  # fmt: skip
+            state[hf] = torch.cat(deq, dim=1)
+            continue
+        if hf.endswith(".mlp.gate.weight"):  # the router, float32
+            state[hf] = w
+            writer.add_tensor(f"blk.{hf.split('.')[2]}.ffn_gate_inp.weight", w.numpy())
             continue
         kind = hf.split(".")[-2]
         if w.dim() == 1:
@@ -235,8 +277,12 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
     sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 12, 12, 12, 4, 4, 4)]
     with make_llm(gguf_path, **tiny_llm_kwargs(weights_format="stored", attn=attn)) as llm:
         engine = llm.scheduler.engine
-        assert (engine.cpu_step is not None) == (attn == "cpu")
+        moe = engine.model_config.moe is not None
+        assert (engine.cpu_step is not None) == (attn == "cpu" and not moe)  # no experts in the C step
         model = engine.model
+        if moe:  # every expert's blocks as stored, the float stacks never allocated
+            experts = model.model.layers[1].mlp.experts
+            assert experts.stored is not None and not hasattr(experts, "w13")
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, StoredWeight)
         assert isinstance(model.lm_head.weight, StoredWeight)
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == SPECS[name][3][
@@ -351,6 +397,36 @@ def test_gguf_dequantized_into_float_parameters_equals_the_reference(tmp_path):
     expected = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(attn, expected)
     assert torch.equal(model.lm_head.weight, hf["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_gguf_experts_dequantized_into_float_parameters_equal_the_reference(name, tmp_path):
+    """A GPU or TP dequantizes the experts' 3-D tensors into the stacked float parameters: exactly HF's
+    gate | up and down stacks, and its router."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.models import ModelConfig, create_model
+    from minisgl.models.gguf_weights import load_gguf
+
+    gguf_path, hf_dir = write_tiny_gguf(name, str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    model = create_model(ModelConfig.from_hf(AutoConfig.from_pretrained(hf_dir)))
+    assert load_gguf(model, gguf_path, keep_stored=False, show_progress=False) == 0
+    mlp = model.model.layers[1].mlp
+    assert mlp.experts.stored is None
+    assert torch.equal(mlp.experts.w13, hf["model.layers.1.mlp.experts.gate_up_proj"])
+    assert torch.equal(mlp.experts.w2, hf["model.layers.1.mlp.experts.down_proj"])
+    assert torch.equal(mlp.gate.weight, hf["model.layers.1.mlp.gate.weight"])
+
+
+def test_stored_experts_on_the_fused_moe_backend_are_refused_by_name(tmp_path):
+    pytest.importorskip("triton")
+    gguf_path, _ = write_tiny_gguf("qwen3_moe", str(tmp_path))
+    with (
+        pytest.raises(ValueError, match="stored run on the torch MoE backend"),
+        make_llm(gguf_path, **tiny_llm_kwargs(weights_format="stored", moe_backend="fused")),
+    ):
+        pass
 
 
 def test_a_synthetic_q4_k_m_file_stored_equals_hf_on_its_float32_conversion(tmp_path):

@@ -75,7 +75,7 @@ def _resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's weights: float parameters and stored weights, each counted once (tied)."""
     seen, total = set(), 0
     for module in model.modules():
-        for w in list(module._parameters.values()) + [module.__dict__.get("weight")]:
+        for w in list(module._parameters.values()) + stored.held_by(module):
             if w is None or id(w) in seen:
                 continue
             seen.add(id(w))
@@ -218,6 +218,15 @@ class Engine:
             if self.config.weights_format == "stored" and (not keep or self.config.tp_info.size > 1):
                 raise ValueError(
                     "stored GGUF weights run on a CPU with one rank; use --weights-format float32"
+                )
+            if (
+                keep
+                and self.model_config.moe is not None
+                and self.config.moe_backend not in ("auto", "torch")
+            ):
+                raise ValueError(
+                    "GGUF experts read as stored run on the torch MoE backend: pass --moe-backend torch, "
+                    "or --weights-format float32"
                 )
             stored_bytes = load_gguf(self.model, gguf_file, keep_stored=keep, show_progress=show)
         elif self.config.weights_format == "stored":  # bf16/fp16 matrices kept in half precision

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -108,18 +111,22 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_start: int = 0,
+    linear: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts' gated MLPs of x [T, H], weighted by the routing: w13 [El, 2I, H] (gate | up rows), w2
     [El, H, I] hold global experts expert_start .. expert_start + El - 1; other ids contribute nothing
     (another rank holds them). Expert by expert as Hugging Face's blocks: the act rounds to x's dtype, the
-    down projection, the routing weight and the sum over the k choices stay in float32."""
+    down projection, the routing weight and the sum over the k choices stay in float32. `linear(a, w)`
+    multiplies by one expert's weight (default F.linear in a's dtype; stored experts, a list of weights as
+    stored per expert, pass kernel.linear)."""
+    mm = linear or (lambda a, w: F.linear(a, w.to(a.dtype)))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = topk_ids.long() - expert_start
-    hit = local[(local >= 0) & (local < w13.shape[0])].unique()  # a host sync: the reference only
+    hit = local[(local >= 0) & (local < len(w13))].unique()  # a host sync: the reference only
     for e in hit.tolist():
         tokens, slots = torch.where(local == e)
-        act = silu_and_mul(F.linear(x[tokens], w13[e]))
-        y = F.linear(act.float(), w2[e].float()) * topk_weights[tokens, slots, None].float()
+        act = silu_and_mul(mm(x[tokens], w13[e]))
+        y = mm(act.float(), w2[e]) * topk_weights[tokens, slots, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
 

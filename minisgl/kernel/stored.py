@@ -124,6 +124,15 @@ def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def held_by(module: torch.nn.Module) -> list[StoredWeight]:
+    """The StoredWeights a module holds itself: its weight, or an MoE layer's experts (moe.Experts.stored:
+    per expert gate | up and down)."""
+    w = module.__dict__.get("weight")
+    held = [w] if isinstance(w, StoredWeight) else []
+    experts = module.__dict__.get("stored")
+    return held + [w for ws in experts for w in ws] if experts else held
+
+
 def set_dot(model: torch.nn.Module, dot: str) -> int:
     """Every StoredWeight of the model multiplies by `dot` (STORED_DOTS) from now on; returns how many
     weights that is (a tied embedding and LM head count once)."""
@@ -131,10 +140,10 @@ def set_dot(model: torch.nn.Module, dot: str) -> int:
         raise ValueError(f"stored dot {dot!r} is not one of {STORED_DOTS}")
     seen: set[int] = set()
     for module in model.modules():
-        w = module.__dict__.get("weight")
-        if isinstance(w, StoredWeight) and id(w) not in seen:
-            seen.add(id(w))
-            w.dot = dot
+        for w in held_by(module):
+            if id(w) not in seen:
+                seen.add(id(w))
+                w.dot = dot
     return len(seen)
 
 

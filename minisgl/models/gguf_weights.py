@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from minisgl.kernel import stored
 from minisgl.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from minisgl.moe import Experts
 from minisgl.utils.gguf_file import field, open_gguf
 
 from .weights import iter_safetensors, merged_name
@@ -39,7 +40,13 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a sparse layer (Qwen3-MoE, Mixtral): the router and every expert's projection in one 3-D tensor
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+_STACKED_EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 
 
 def hf_name(name: str) -> str:
@@ -89,7 +96,7 @@ def _dense(part: stored.StoredPart, name: str) -> torch.Tensor:
 
 def _keep_stored(module: nn.Module, attr: str, part: stored.StoredPart, name: str) -> bool:
     """Whether this tensor stays as stored: a matrix of a linear or embedding layer, not float32."""
-    layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Experts)
     if attr != "weight" or part.n == 1 or part.ggml_type == 0 or not isinstance(module, layers):
         return False
     if part.ggml_type not in stored.STORED_TYPES:
@@ -139,8 +146,13 @@ def _load_parts(model: nn.Module, tensors: Iterator[tuple[str, stored.StoredPart
     cfg = model.config
     modules: dict[str, nn.Module] = dict(model.named_modules())
     pending: dict[str, dict[int, stored.StoredPart]] = {}
+    experts: dict[str, dict[str, stored.StoredPart]] = {}  # per Experts module, its three stacked tensors
     loaded: set[str] = set()
     for hf, part in tensors:
+        m = _STACKED_EXPERTS.fullmatch(hf)
+        if m is not None and isinstance(modules.get(m["module"]), Experts):
+            experts.setdefault(m["module"], {})[m["proj"]] = part
+            continue
         name, idx = merged_name(hf)
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
@@ -153,6 +165,10 @@ def _load_parts(model: nn.Module, tensors: Iterator[tuple[str, stored.StoredPart
         loaded.add(name)
     for module_name, parts in pending.items():
         _install(modules[module_name], [parts[i] for i in sorted(parts)])
+    stored_bytes = sum(p.data.numel() for parts in pending.values() for p in parts.values())
+    for module_name, projs in experts.items():
+        stored_bytes += _load_experts(modules[module_name], projs, keep_stored, module_name)
+        loaded |= {f"{module_name}.w13", f"{module_name}.w2"}
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and "lm_head" in modules:
         head, embed = modules["lm_head"], modules["model.embed_tokens"]
         if isinstance(embed.weight, stored.StoredWeight):
@@ -163,7 +179,38 @@ def _load_parts(model: nn.Module, tensors: Iterator[tuple[str, stored.StoredPart
     missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
-    return sum(p.data.numel() for parts in pending.values() for p in parts.values())
+    return stored_bytes
+
+
+def _load_experts(module: Experts, projs: dict[str, stored.StoredPart], keep_stored: bool, name: str) -> int:
+    """A sparse layer's three stacked tensors ([E x out] rows of blocks each): every expert's rows kept as
+    stored StoredWeights (gate | up, down) where all three are of a kept type, else dequantized into the
+    float parameters; returns the bytes kept as stored."""
+    if set(projs) != {"gate_proj", "up_proj", "down_proj"}:
+        raise ValueError(
+            f"the checkpoint lacks {name}'s {sorted({'gate_proj', 'up_proj', 'down_proj'} - set(projs))}"
+        )
+    num = module.num_experts
+
+    def per_expert(part: stored.StoredPart) -> list[stored.StoredPart]:
+        if part.n % num:
+            raise ValueError(f"{name}: {part.n} rows are not {num} experts' worth")
+        n = part.n // num
+        return [
+            stored.StoredPart(part.ggml_type, part.data[e * n : (e + 1) * n], n, part.k) for e in range(num)
+        ]
+
+    if keep_stored and all(_keep_stored(module, "weight", p, f"{name}.{proj}") for proj, p in projs.items()):
+        gate, up, down = (per_expert(projs[p]) for p in ("gate_proj", "up_proj", "down_proj"))
+        module.keep_stored(
+            [stored.StoredWeight([g, u]) for g, u in zip(gate, up)], [stored.StoredWeight([d]) for d in down]
+        )
+        return sum(p.data.numel() for p in projs.values())
+    for proj, part in projs.items():
+        dense = _dense(part, f"{name}.{proj}").reshape(num, part.n // num, part.k)
+        for e in range(num):
+            module.load_expert(e, proj, dense[e])
+    return 0
 
 
 def _install(module: nn.Module, parts: list[stored.StoredPart]) -> None:

@@ -65,6 +65,19 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.shard, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.shard), requires_grad=False)
         self.loaded: set[tuple[int, str, int]] = set()  # (expert, tensor, part) seen in the checkpoint
+        # GGUF experts read as stored (one rank, a CPU): per expert a StoredWeight of gate | up and of down
+        # in place of w13 / w2, which are then never allocated
+        self.stored: tuple[list, list] | None = None
+
+    def keep_stored(self, w13: list, w2: list) -> None:
+        """Serve every expert from its blocks as stored: w13[e] (gate | up) and w2[e] are StoredWeights."""
+        if self.num_local != self.num_experts or self.shard_rank or len(w13) != self.num_experts:
+            raise ValueError("stored GGUF experts run on one rank; --weights-format float32 shards them")
+        del self.w13, self.w2  # the float Parameters, never touched, so never resident
+        self.stored = (w13, w2)
+        self.loaded |= {
+            (e, n, p) for e in range(self.num_experts) for n, p in (("w13", 0), ("w13", 1), ("w2", 0))
+        }
 
     def load_expert(self, expert: int, proj: str, loaded: torch.Tensor) -> None:
         """One expert's gate, up or down projection (HF layout [out, in]); other ranks' experts skipped."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl import kernel
 from minisgl.kernel import reference as ref
 
 from .base import MoEBackend
@@ -22,4 +23,7 @@ class TorchMoEBackend(MoEBackend):
     def experts(
         self, x: torch.Tensor, experts: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        if experts.stored is not None:  # GGUF experts as stored: each expert's blocks through kernel.linear
+            w13, w2 = experts.stored
+            return ref.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=kernel.linear)
         return ref.fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids, experts.expert_start)

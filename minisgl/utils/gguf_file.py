@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 
 GGUF_LINK = "model.gguf"  # in a prepared directory: the file the weights are read from
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # llama.cpp's architecture names that are not HF's model_type
 
 
 def open_gguf(path: str) -> Any:
@@ -54,9 +60,9 @@ def hf_config(reader: Any) -> dict[str, Any]:
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     config = {
         "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
+        "intermediate_size": key("feed_forward_length", field(reader, f"{arch}.expert_feed_forward_length")),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
@@ -69,6 +75,19 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    experts = field(reader, f"{arch}.expert_count", 0)
+    if experts:  # llama.cpp normalizes the top-k routing weights of both (Mixtral's HF config always does)
+        moe = {"num_experts_per_tok": key("expert_used_count")}
+        expert_ffn = key("expert_feed_forward_length", config["intermediate_size"])
+        if arch == "qwen3moe":
+            moe |= {"num_experts": experts, "moe_intermediate_size": expert_ffn, "norm_topk_prob": True}
+            moe |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
+        elif arch == "llama":  # Mixtral is written as a Llama with experts
+            moe |= {"num_local_experts": experts, "intermediate_size": expert_ffn}
+            config |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+        else:
+            raise ValueError(f"GGUF architecture {arch!r} with experts is not supported as stored")
+        config |= moe
     scaling = rope_scaling(reader, config["head_dim"], config["rope_theta"])
     if scaling is not None:
         config["rope_scaling"] = scaling
