@@ -128,6 +128,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_stored_q8.argtypes = [ptr, i64, ptr, i32, i64, ptr, ptr, i64, i64, i64, i64, i32]
     lib.linear_stored_q8.restype = i32
     lib.stored_type_supported.argtypes = [i32]
+    lib.q8_type_supported.argtypes = [i32]
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
         lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
@@ -296,6 +297,13 @@ def stored_type_supported(ggml_type: int) -> bool:
     return lib is not None and bool(lib.stored_type_supported(ggml_type))
 
 
+def int8_dot_supported(ggml_type: int) -> bool:
+    """Whether this build's int8 dot (--stored-dot int8) reads the type: Q4_0/Q4_1/Q8_0 in every build,
+    Q4_K/Q6_K where the CPU has AVX-512 VNNI."""
+    lib = _load()
+    return lib is not None and bool(lib.q8_type_supported(ggml_type))
+
+
 def dequant_rows(
     ggml_type: int, data: torch.Tensor, k: int, rows: torch.Tensor | None, n: int
 ) -> torch.Tensor:
@@ -347,12 +355,14 @@ def linear_stored_q8(
     y: torch.Tensor,
 ) -> None:
     """linear_stored with x quantized to int8 blocks of 32 first (llama.cpp's arithmetic, approximate):
-    Q4_0/Q4_1/Q8_0 weights, k a multiple of 32 (ValueError otherwise). Same layout rules as linear_stored."""
+    the types of int8_dot_supported, k a multiple of 32 (ValueError otherwise). Same layout rules as
+    linear_stored."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and data.stride(1) == 1
     rc = _load().linear_stored_q8(*_stored_args(x, ggml_type, data, bias, y))
     if rc != 0:
         raise ValueError(
-            f"the int8 dot takes Q4_0/Q4_1/Q8_0 with k % 32 == 0, not type {ggml_type}, k {x.shape[1]}"
+            f"the int8 dot takes Q4_0/Q4_1/Q8_0 (and Q4_K/Q6_K with AVX-512 VNNI) with k % 32 == 0, "
+            f"not type {ggml_type}, k {x.shape[1]}"
         )
 
 

@@ -1557,7 +1557,21 @@ static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, x
     }
 }
 
-static inline int q8_type(int type) { return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0; }
+/* Q4_K / Q6_K: AVX-512 VNNI builds only (their sub-blocks of 32 / 16 map onto its quads of blocks; the
+ * other builds keep the exact dot for them) */
+static inline int q8_kquant(int type) { return HAVE_VNNI512 && (type == GT_Q4_K || type == GT_Q6_K); }
+static inline int q8_type(int type) {
+    return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0 || q8_kquant(type);
+}
+
+#ifndef Q8_K_ROWS
+#define Q8_K_ROWS 32 /* rows of x from which the K-quants' exact GEMM (panels of dequantized weights) is faster:
+                        Q4_K at 1B-Llama shapes, 24 rows 100 against 80 G weight-rows/s, 32 rows 93 against 106 */
+#endif
+/* Whether a linear of M rows of x multiplies this type by the int8 dot. */
+static inline int q8_takes(int type, int64_t M) { return q8_type(type) && !(q8_kquant(type) && M >= Q8_K_ROWS); }
+/* Whether this build's int8 dot reads the type (the Python side asks). */
+int q8_type_supported(int type) { return q8_type(type); }
 
 #if HAVE_VNNI512
 /* Four weight blocks (at s + o[0..3]) as the 512-bit dot reads them: their quants, unsigned (Q4 nibbles as
@@ -1596,6 +1610,65 @@ static inline __attribute__((always_inline)) void q8_wquad(const int type, const
     }
 }
 
+/* A Q4_K / Q6_K super-block's scales as one vector: Q4_K's d sc of its 8 sub-blocks then -dmin m of them;
+ * Q6_K's d sc of its 16 (kscales' values, built in registers: no stores for the loads to wait on). */
+static inline __attribute__((always_inline)) __m512 q8_kscales(const int type, const uint8_t *s) {
+    if (type == GT_Q6_K)
+        return _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(rd16(s + 208))),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 192)))));
+    const __m128i b0 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(s + 4)));
+    const __m128i b1 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(s + 8)));
+    const __m128i b2 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(s + 12))), m63 = _mm_set1_epi32(63);
+    const __m128i s_hi = _mm_or_si128(_mm_and_si128(b2, _mm_set1_epi32(15)), _mm_slli_epi32(_mm_srli_epi32(b0, 6), 4));
+    const __m128i m_hi = _mm_or_si128(_mm_srli_epi32(b2, 4), _mm_slli_epi32(_mm_srli_epi32(b1, 6), 4));
+    __m512i v = _mm512_castsi128_si512(_mm_and_si128(b0, m63));
+    v = _mm512_inserti32x4(_mm512_inserti32x4(v, s_hi, 1), _mm_and_si128(b1, m63), 2);
+    const __m256 d = _mm256_set1_ps(fp16_to_f32(rd16(s))), nd = _mm256_set1_ps(-fp16_to_f32(rd16(s + 2)));
+    return _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(d), nd, 1),
+                         _mm512_cvtepi32_ps(_mm512_inserti32x4(v, m_hi, 3)));
+}
+
+/* Quad h (0 or 1: elements 128 h .. 128 h + 127) of a Q4_K or Q6_K super-block at s, as q8_wquad gives a
+ * quad of blocks of 32: unsigned quants (Q4_K's nibbles; Q6_K's six-bit values, the offset of 32 taken off
+ * by the caller) in wl / wh, and per lane the scale of the sub-block its quants belong to (from sc, the
+ * block's q8_kscales): Q4_K's d sc of the block's sub-block of 32 in dlo and -dmin m in mw; Q6_K's d sc of
+ * the sub-block of 16 of the block's elements 0..15 (wl) in dlo and of 16..31 (wh) in mw. */
+static inline __attribute__((always_inline)) void q8_wquad_k(const int type, const uint8_t *s, const int h,
+                                                             const __m512 sc, __m512i *wl, __m512i *wh,
+                                                             __m512 *dlo, __m512 *mw) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+#define LD(p) _mm_loadu_si128((const __m128i *)(p))
+#define QUAD(a, b) _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(a), a, 1), b, 2), b, 3)
+    if (type == GT_Q4_K) {  // sub-blocks 4h, 4h+1 in the low / high nibbles of qs[64h..], 4h+2, 4h+3 of qs[64h+32..]
+        const uint8_t *qs = s + 16 + 64 * h;
+        const __m512i sh = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);  // low, high, low, high nibbles
+        *wl = _mm512_and_si512(_mm512_srlv_epi64(QUAD(LD(qs), LD(qs + 32)), sh), m4);
+        *wh = _mm512_and_si512(_mm512_srlv_epi64(QUAD(LD(qs + 16), LD(qs + 48)), sh), m4);
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * h),
+                                             _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+        *dlo = _mm512_permutexvar_ps(idx, sc);
+        *mw = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), sc);  // times s / 4, 4 lanes
+    } else {  // Q6_K: block b of the quad is elements 32 b.. of the half, ql and qh as the reference reads them
+        const uint8_t *ql = s + 64 * h, *qh = s + 128 + 32 * h;
+        const __m512i shl = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4), shh = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6);
+        const __m512i m2 = _mm512_set1_epi8(0x03);
+        // blocks 0..3 read ql [0, 32, 0, 32] (low, low, high, high nibbles) and qh's bit pairs 0..3
+#define Q6(off)                                                                                              \
+    _mm512_or_si512(                                                                                         \
+        _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_set_m128i(LD(ql + 32 + (off)), LD(ql + (off)))), shl), m4), \
+        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i32x4(LD(qh + (off))), shh), m2), 4))
+        *wl = Q6(0);
+        *wh = Q6(16);
+#undef Q6
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(8 * h),
+                                             _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6));
+        *dlo = _mm512_permutexvar_ps(idx, sc);
+        *mw = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(1)), sc);
+    }
+#undef QUAD
+#undef LD
+}
+
 /* out[r][m] = row r of the GR weight rows p[] dotted with quantized x row m (1..Q8_PASS rows, ldq groups
  * apart), four blocks a vector: each weight quad unpacked once (q8_wquad) for all M rows, its integer sums
  * by two dpbusd (started from the offset's share), times [d_w d_x of each block] into a float accumulator
@@ -1604,7 +1677,7 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
                                                            int64_t ldq, const uint8_t *const p[GR], int64_t K,
                                                            const uint8_t *pf, int64_t pf_len,
                                                            float out[GR][PASS_MAX]) {
-    __m512 acc[GR][Q8_PASS];
+    __m512 acc[GR][Q8_PASS], ksc[GR];  // ksc: the K-quant super-block's scales (q8_kscales), both its quads
     for (int r = 0; r < GR; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
     const int64_t bb = block_bytes(type), nb = K / 32, ng = (nb + 3) / 4, chunks = (ng + 1) / 2;
@@ -1615,14 +1688,36 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
                 _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
         int64_t o[4];  // past the last block: the last again (its activations are zero)
         for (int i = 0; i < 4; i++) o[i] = (4 * j + i < nb ? 4 * j + i : nb - 1) * bb;
+        __m512i off_lo[Q8_PASS], off_hi[Q8_PASS];  // Q6_K: 32 times each lane's activations, its offset's share
+        if (type == GT_Q6_K)
+            for (int m = 0; m < M; m++) {
+                const xgroup *xq = qx + m * ldq + j;
+                const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
+                off_lo[m] = _mm512_dpbusd_epi32(z, c32, _mm512_loadu_si512(xq->lo));
+                off_hi[m] = _mm512_dpbusd_epi32(z, c32, _mm512_loadu_si512(xq->hi));
+            }
 #pragma GCC unroll 4
         for (int r = 0; r < GR; r++) {
             __m512i wl, wh;
             __m512 dw, mw = _mm512_setzero_ps();
-            q8_wquad(type, p[r], o, &wl, &wh, &dw, &mw);
+            if (type == GT_Q4_K || type == GT_Q6_K) {  // quad j: half j % 2 of super-block j / 2
+                if (j % 2 == 0) ksc[r] = q8_kscales(type, p[r] + j / 2 * bb);
+                q8_wquad_k(type, p[r] + j / 2 * bb, (int)(j % 2), ksc[r], &wl, &wh, &dw, &mw);
+            } else {
+                q8_wquad(type, p[r], o, &wl, &wh, &dw, &mw);
+            }
 #pragma GCC unroll 4
             for (int m = 0; m < M; m++) {
                 const xgroup *xq = qx + m * ldq + j;
+                if (type == GT_Q6_K) {  // the two sub-blocks of 16 of each block scaled apart
+                    const __m512i z = _mm512_setzero_si512();
+                    __m512i sl = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, wl, _mm512_loadu_si512(xq->lo)), off_lo[m]);
+                    __m512i sh = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, wh, _mm512_loadu_si512(xq->hi)), off_hi[m]);
+                    const __m512 xd = _mm512_loadu_ps(xq->d);
+                    __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(dw, xd), _mm512_cvtepi32_ps(sl), acc[r][m]);
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(mw, xd), _mm512_cvtepi32_ps(sh), a);
+                    continue;
+                }
                 __m512i s = _mm512_setzero_si512();
                 if (type == GT_Q4_0) s = _mm512_loadu_si512(xq->n8);
                 if (type == GT_Q8_0) s = _mm512_slli_epi32(_mm512_loadu_si512(xq->n8), 4);
@@ -1630,7 +1725,7 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
                 s = _mm512_dpbusd_epi32(s, wh, _mm512_loadu_si512(xq->hi));
                 __m512 dd = _mm512_mul_ps(dw, _mm512_loadu_ps(xq->d));
                 __m512 a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s), acc[r][m]);
-                if (type == GT_Q4_1) a = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xq->s4), a);
+                if (type == GT_Q4_1 || type == GT_Q4_K) a = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xq->s4), a);
                 acc[r][m] = a;
             }
         }
@@ -1891,10 +1986,14 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
     case base + 6: Q8_CASE(T, Q8_PASS < 6 ? Q8_PASS : 6); break;
 static void q8_group_any(int type, int M, const xgroup *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
                          const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
-    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : 2) * 8 + M) {
+    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : type == GT_Q8_0 ? 2 : type == GT_Q4_K ? 3 : 4) * 8 + M) {
         Q8_CASES(GT_Q4_0, 0)
         Q8_CASES(GT_Q4_1, 8)
         Q8_CASES(GT_Q8_0, 16)
+#if HAVE_VNNI512
+        Q8_CASES(GT_Q4_K, 24)
+        Q8_CASES(GT_Q6_K, 32)
+#endif
     }
 }
 #else
@@ -1935,7 +2034,7 @@ static void q8_group_fn(int type, int M, const void *qx, int64_t ldq, const uint
 static void linear_q8_work(const xgroup *qx, const uint8_t *w, int type, int64_t row_bytes, const float *bias,
                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
 #if HAVE_VNNI512
-    if (M >= Q8_GEMM_MIN) {
+    if (M >= Q8_GEMM_MIN && !q8_kquant(type)) {  // the K-quants' sub-block scales: the dot path at any M
         linear_q8_gemm_work(qx, w, type, row_bytes, bias, y, ldy, M, N, K);
         return;
     }
@@ -1945,10 +2044,15 @@ static void linear_q8_work(const xgroup *qx, const uint8_t *w, int type, int64_t
 }
 
 /* linear_stored with x quantized to int8 blocks first (llama.cpp's arithmetic, approximate): for Q4_0, Q4_1
- * and Q8_0 weights and K a multiple of 32 (returns -1 otherwise, computing nothing). */
+ * and Q8_0 weights (and Q4_K / Q6_K with AVX-512 VNNI, below Q8_K_ROWS rows of x; the exact kernels from
+ * there) and K a multiple of 32 (returns -1 otherwise, computing nothing). */
 int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                      const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (!q8_type(type) || K % 32) return -1;
+    if (!q8_takes(type, M)) {  // a K-quant at many rows: the exact kernels
+        linear_stored(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K, num_threads);
+        return 0;
+    }
     xgroup *qx = malloc((size_t)(M * ((K / 32 + XB - 1) / XB) + 1) * sizeof(xgroup));
     if (!qx) return -1;
 #pragma omp parallel num_threads(num_threads)
@@ -1973,12 +2077,12 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
 #define LAYER_WORDS (7 + 4 * LIN_WORDS)
 #define MODEL_WORDS 16
 /* qx (not NULL: int8 mode, room for M quantized rows of K): with K a multiple of 32, x is quantized once
- * and the Q4_0/Q4_1/Q8_0 parts take the int8 dot; the rest (and every part without qx) the exact kernels. */
+ * and the parts q8_takes take the int8 dot; the rest (and every part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
                     int64_t K, xgroup *qx) {
     const float *bias = (const float *)d[1];
     int q8 = 0;
-    for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_type((int)d[3 + 5 * i]);
+    for (int i = 0; i < d[0]; i++) q8 |= d[2 + 5 * i] == 1 && q8_takes((int)d[3 + 5 * i], M);
     q8 = q8 && qx && K % 32 == 0;
     if (q8) quant_rows_work(x, ldx, M, K, qx);
     int64_t off = 0;
@@ -1987,7 +2091,7 @@ static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int
         const float *b = bias ? bias + off : 0;
         if (p[0] == 0)
             linear_packed_work(x, ldx, (const float *)p[2], b, y + off, ldy, M, p[4], K);
-        else if (q8 && q8_type((int)p[1]))
+        else if (q8 && q8_takes((int)p[1], M))
             linear_q8_work(qx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);
         else
             linear_stored_work(x, ldx, (const uint8_t *)p[2], (int)p[1], p[3], b, y + off, ldy, M, p[4], K);

@@ -35,7 +35,6 @@ TYPE_IDS = {name: t for t, (name, _, _) in STORED_TYPES.items()}
 # sub-block scales): what a random block (tests, benchmarks) must set to keep its values finite and small
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82)}
 SCALE_OFFSETS |= {"Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-INT8_DOT_TYPES = frozenset(TYPE_IDS[name] for name in ("Q4_0", "Q4_1", "Q8_0"))  # what the int8 dot reads
 STORED_DOTS = ("exact", "int8")  # StoredWeight.dot, set from EngineConfig.stored_dot
 
 
@@ -65,8 +64,8 @@ class StoredWeight:
 
     `dot` is how `linear` multiplies it: "exact" (the default) dequantizes each block with the reference
     arithmetic; "int8" (the engine's --stored-dot int8) quantizes the activations to int8 blocks of 32 for
-    the Q4_0/Q4_1/Q8_0 parts where K is a multiple of 32 (llama.cpp's arithmetic, approximate); the other
-    parts stay exact."""
+    the Q4_0/Q4_1/Q8_0 parts where K is a multiple of 32, and Q4_K/Q6_K on CPUs with AVX-512 VNNI
+    (cpu.int8_dot_supported; llama.cpp's kind of arithmetic, approximate); the other parts stay exact."""
 
     def __init__(self, parts: list[StoredPart]) -> None:
         assert parts and all(p.k == parts[0].k for p in parts)
@@ -110,7 +109,7 @@ def linear(x: torch.Tensor, w: StoredWeight, bias: torch.Tensor | None = None) -
     int8 = w.dot == "int8" and x2.shape[1] % 32 == 0
 
     def kernel(p: StoredPart):  # the int8 dot for the parts it reads, the exact one otherwise
-        return cpu.linear_stored_q8 if int8 and p.ggml_type in INT8_DOT_TYPES else cpu.linear_stored
+        return cpu.linear_stored_q8 if int8 and cpu.int8_dot_supported(p.ggml_type) else cpu.linear_stored
 
     if len(w.parts) == 1:
         p = w.parts[0]
