@@ -180,7 +180,7 @@ def test_int8_dot_is_close_to_the_float32_matmul(name):
 
 
 # ---- Q4_K / Q6_K (AVX-512 VNNI builds) ---------------------------------------------------------------------
-K_TYPES = ["Q4_K", "Q6_K"]
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 needs_k_int8 = pytest.mark.skipif(
     not cpu_kernels.int8_dot_supported(stored.TYPE_IDS["Q4_K"]),
     reason="the int8 K-quant dot needs AVX-512 VNNI",
@@ -193,21 +193,22 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 def _unpack_k(name: str, data: np.ndarray, k: int):
     """A K-quant weight's values as integers per sub-block of 16 (q int64 [n, k/16, 16], Q6_K's offset of 32
-    taken off) with each one's scale (float32 [n, k/16]: d sc) and, for Q4_K, each sub-block of 32's min
+    taken off) with each one's scale (float32 [n, k/16]: d sc) and, for Q4_K/Q5_K, each sub-block of 32's min
     (float32 [n, k/32]: dmin m), read from ggml's super-block layout directly."""
     n = data.shape[0]
     b = data.reshape(n, k // 256, -1).astype(np.int64)
-    if name == "Q4_K":
-        d, dmin, sc8, qs = (
-            _f16(data.reshape(n, k // 256, -1)[..., 0:2]),
-            _f16(data.reshape(n, k // 256, -1)[..., 2:4]),
-            b[..., 4:16],
-            b[..., 16:],
-        )
+    if name in ("Q4_K", "Q5_K"):
+        blk = data.reshape(n, k // 256, -1)
+        d, dmin, sc8 = _f16(blk[..., 0:2]), _f16(blk[..., 2:4]), b[..., 4:16]
+        qs = b[..., 48:] if name == "Q5_K" else b[..., 16:]
         sc = np.concatenate([sc8[..., 0:4] & 63, (sc8[..., 8:12] & 15) | ((sc8[..., 0:4] >> 6) << 4)], -1)
         mn = np.concatenate([sc8[..., 4:8] & 63, (sc8[..., 8:12] >> 4) | ((sc8[..., 4:8] >> 6) << 4)], -1)
-        # sub-block 2j: low nibbles of qs[32j:32j+32], 2j+1: their high nibbles
+        # sub-block 2j: low nibbles of qs[32j:32j+32], 2j+1: their high nibbles; Q5_K's fifth bit of
+        # sub-block t's element l: bit t of qh[l]
         q = np.stack([qs.reshape(n, -1, 4, 32) & 15, qs.reshape(n, -1, 4, 32) >> 4], 3).reshape(n, -1, 8, 32)
+        if name == "Q5_K":
+            qh = b[..., 16:48]
+            q = q | (((qh[..., None, :] >> np.arange(8)[:, None]) & 1) << 4)
         dl = (d[..., None] * sc.astype(_F32)).astype(_F32)  # [n, S, 8]
         ml = (dmin[..., None] * mn.astype(_F32)).astype(_F32)
         return q.reshape(n, -1, 16), np.repeat(dl.reshape(n, -1), 2, 1), ml.reshape(n, -1)
@@ -225,7 +226,7 @@ def _unpack_k(name: str, data: np.ndarray, k: int):
 
 def reference_int8_linear_k(name: str, x: np.ndarray, data: np.ndarray):
     """(y, magnitude) in float64 as reference_int8_linear: per sub-block of 16 the exact integer sum times
-    (d sc) d_x, and Q4_K's -(dmin m) s_x per block of 32, each term rounded to float32, summed."""
+    (d sc) d_x, and Q4_K/Q5_K's -(dmin m) s_x per block of 32, each term rounded to float32, summed."""
     k = x.shape[1]
     qx, dx, sx = reference_quantize(x)
     qw, dl, ml = _unpack_k(name, data, k)
@@ -289,9 +290,9 @@ def test_int8_k_quant_dot_is_close_to_the_float32_matmul(name):
 @needs_kernels
 def test_other_types_and_shapes_are_refused():
     y = torch.empty(2, 8)
-    q5_k = torch.zeros(8, 176, dtype=torch.uint8)
+    q3_k = torch.zeros(8, 110, dtype=torch.uint8)
     with pytest.raises(ValueError):  # not a type the int8 dot reads
-        cpu_kernels.linear_stored_q8(torch.randn(2, 256), stored.TYPE_IDS["Q5_K"], q5_k, None, y)
+        cpu_kernels.linear_stored_q8(torch.randn(2, 256), stored.TYPE_IDS["Q3_K"], q3_k, None, y)
     q8_0 = torch.zeros(8, 68, dtype=torch.uint8)
     with pytest.raises(ValueError):  # k 48: not whole blocks of 32
         cpu_kernels.linear_stored_q8(torch.randn(2, 48), stored.TYPE_IDS["Q8_0"], q8_0, None, y)

@@ -299,7 +299,7 @@ def stored_type_supported(ggml_type: int) -> bool:
 
 def int8_dot_supported(ggml_type: int) -> bool:
     """Whether this build's int8 dot (--stored-dot int8) reads the type: Q4_0/Q4_1/Q8_0 in every build,
-    Q4_K/Q6_K where the CPU has AVX-512 VNNI."""
+    Q4_K/Q5_K/Q6_K where the CPU has AVX-512 VNNI."""
     lib = _load()
     return lib is not None and bool(lib.q8_type_supported(ggml_type))
 
@@ -361,7 +361,7 @@ def linear_stored_q8(
     rc = _load().linear_stored_q8(*_stored_args(x, ggml_type, data, bias, y))
     if rc != 0:
         raise ValueError(
-            f"the int8 dot takes Q4_0/Q4_1/Q8_0 (and Q4_K/Q6_K with AVX-512 VNNI) with k % 32 == 0, "
+            f"the int8 dot takes Q4_0/Q4_1/Q8_0 (and Q4_K/Q5_K/Q6_K with AVX-512 VNNI) with k % 32 == 0, "
             f"not type {ggml_type}, k {x.shape[1]}"
         )
 

@@ -1557,9 +1557,11 @@ static void quant_rows_work(const float *x, int64_t ldx, int64_t M, int64_t K, x
     }
 }
 
-/* Q4_K / Q6_K: AVX-512 VNNI builds only (their sub-blocks of 32 / 16 map onto its quads of blocks; the
- * other builds keep the exact dot for them) */
-static inline int q8_kquant(int type) { return HAVE_VNNI512 && (type == GT_Q4_K || type == GT_Q6_K); }
+/* Q4_K / Q5_K / Q6_K: AVX-512 VNNI builds only (their sub-blocks of 32 / 16 map onto its quads of blocks;
+ * the other builds keep the exact dot for them) */
+static inline int q8_kquant(int type) {
+    return HAVE_VNNI512 && (type == GT_Q4_K || type == GT_Q5_K || type == GT_Q6_K);
+}
 static inline int q8_type(int type) {
     return type == GT_Q4_0 || type == GT_Q4_1 || type == GT_Q8_0 || q8_kquant(type);
 }
@@ -1610,7 +1612,7 @@ static inline __attribute__((always_inline)) void q8_wquad(const int type, const
     }
 }
 
-/* A Q4_K / Q6_K super-block's scales as one vector: Q4_K's d sc of its 8 sub-blocks then -dmin m of them;
+/* A Q4_K / Q5_K / Q6_K super-block's scales as one vector: Q4_K/Q5_K's d sc of its 8 sub-blocks then -dmin m;
  * Q6_K's d sc of its 16 (kscales' values, built in registers: no stores for the loads to wait on). */
 static inline __attribute__((always_inline)) __m512 q8_kscales(const int type, const uint8_t *s) {
     if (type == GT_Q6_K)
@@ -1628,10 +1630,11 @@ static inline __attribute__((always_inline)) __m512 q8_kscales(const int type, c
                          _mm512_cvtepi32_ps(_mm512_inserti32x4(v, m_hi, 3)));
 }
 
-/* Quad h (0 or 1: elements 128 h .. 128 h + 127) of a Q4_K or Q6_K super-block at s, as q8_wquad gives a
- * quad of blocks of 32: unsigned quants (Q4_K's nibbles; Q6_K's six-bit values, the offset of 32 taken off
- * by the caller) in wl / wh, and per lane the scale of the sub-block its quants belong to (from sc, the
- * block's q8_kscales): Q4_K's d sc of the block's sub-block of 32 in dlo and -dmin m in mw; Q6_K's d sc of
+/* Quad h (0 or 1: elements 128 h .. 128 h + 127) of a Q4_K, Q5_K or Q6_K super-block at s, as q8_wquad
+ * gives a quad of blocks of 32: unsigned quants (Q4_K's nibbles, Q5_K's five-bit values; Q6_K's six-bit
+ * values, the offset of 32 taken off by the caller) in wl / wh, and per lane the scale of the sub-block
+ * its quants belong to (from sc, the block's q8_kscales): Q4_K/Q5_K's d sc of the block's sub-block of 32
+ * in dlo and -dmin m in mw; Q6_K's d sc of
  * the sub-block of 16 of the block's elements 0..15 (wl) in dlo and of 16..31 (wh) in mw. */
 static inline __attribute__((always_inline)) void q8_wquad_k(const int type, const uint8_t *s, const int h,
                                                              const __m512 sc, __m512i *wl, __m512i *wh,
@@ -1639,11 +1642,20 @@ static inline __attribute__((always_inline)) void q8_wquad_k(const int type, con
     const __m512i m4 = _mm512_set1_epi8(0x0f);
 #define LD(p) _mm_loadu_si128((const __m128i *)(p))
 #define QUAD(a, b) _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(a), a, 1), b, 2), b, 3)
-    if (type == GT_Q4_K) {  // sub-blocks 4h, 4h+1 in the low / high nibbles of qs[64h..], 4h+2, 4h+3 of qs[64h+32..]
-        const uint8_t *qs = s + 16 + 64 * h;
+    if (type == GT_Q4_K || type == GT_Q5_K) {  // sub-blocks 4h, 4h+1 in the low / high nibbles of qs[64h..],
+                                                // 4h+2, 4h+3 of qs[64h+32..]; Q5_K's fifth bits: bit 4h+b of qh
+        const uint8_t *qs = s + (type == GT_Q5_K ? 48 : 16) + 64 * h;
         const __m512i sh = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);  // low, high, low, high nibbles
         *wl = _mm512_and_si512(_mm512_srlv_epi64(QUAD(LD(qs), LD(qs + 32)), sh), m4);
         *wh = _mm512_and_si512(_mm512_srlv_epi64(QUAD(LD(qs + 16), LD(qs + 48)), sh), m4);
+        if (type == GT_Q5_K) {
+            const __m512i bit = _mm512_add_epi64(_mm512_set1_epi64(4 * h), _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3));
+            const __m512i one = _mm512_set1_epi8(1);
+#define Q5H(off) _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i32x4(LD(s + 16 + (off))), bit), one), 4)
+            *wl = _mm512_or_si512(*wl, Q5H(0));
+            *wh = _mm512_or_si512(*wh, Q5H(16));
+#undef Q5H
+        }
         const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * h),
                                              _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
         *dlo = _mm512_permutexvar_ps(idx, sc);
@@ -1700,7 +1712,7 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
         for (int r = 0; r < GR; r++) {
             __m512i wl, wh;
             __m512 dw, mw = _mm512_setzero_ps();
-            if (type == GT_Q4_K || type == GT_Q6_K) {  // quad j: half j % 2 of super-block j / 2
+            if (type == GT_Q4_K || type == GT_Q5_K || type == GT_Q6_K) {  // quad j: half j % 2 of super-block j / 2
                 if (j % 2 == 0) ksc[r] = q8_kscales(type, p[r] + j / 2 * bb);
                 q8_wquad_k(type, p[r] + j / 2 * bb, (int)(j % 2), ksc[r], &wl, &wh, &dw, &mw);
             } else {
@@ -1725,7 +1737,8 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
                 s = _mm512_dpbusd_epi32(s, wh, _mm512_loadu_si512(xq->hi));
                 __m512 dd = _mm512_mul_ps(dw, _mm512_loadu_ps(xq->d));
                 __m512 a = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s), acc[r][m]);
-                if (type == GT_Q4_1 || type == GT_Q4_K) a = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xq->s4), a);
+                if (type == GT_Q4_1 || type == GT_Q4_K || type == GT_Q5_K)
+                    a = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xq->s4), a);
                 acc[r][m] = a;
             }
         }
@@ -1986,13 +1999,15 @@ static inline __attribute__((always_inline)) void q8_group(const int type, const
     case base + 6: Q8_CASE(T, Q8_PASS < 6 ? Q8_PASS : 6); break;
 static void q8_group_any(int type, int M, const xgroup *qx, int64_t ldq, const uint8_t *const p[GR], int64_t K,
                          const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
-    switch ((type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : type == GT_Q8_0 ? 2 : type == GT_Q4_K ? 3 : 4) * 8 + M) {
+    const int t = type == GT_Q4_0 ? 0 : type == GT_Q4_1 ? 1 : type == GT_Q8_0 ? 2 : type == GT_Q4_K ? 3 : type == GT_Q5_K ? 4 : 5;
+    switch (t * 8 + M) {
         Q8_CASES(GT_Q4_0, 0)
         Q8_CASES(GT_Q4_1, 8)
         Q8_CASES(GT_Q8_0, 16)
 #if HAVE_VNNI512
         Q8_CASES(GT_Q4_K, 24)
-        Q8_CASES(GT_Q6_K, 32)
+        Q8_CASES(GT_Q5_K, 32)
+        Q8_CASES(GT_Q6_K, 40)
 #endif
     }
 }
@@ -2044,7 +2059,7 @@ static void linear_q8_work(const xgroup *qx, const uint8_t *w, int type, int64_t
 }
 
 /* linear_stored with x quantized to int8 blocks first (llama.cpp's arithmetic, approximate): for Q4_0, Q4_1
- * and Q8_0 weights (and Q4_K / Q6_K with AVX-512 VNNI, below Q8_K_ROWS rows of x; the exact kernels from
+ * and Q8_0 weights (and Q4_K / Q5_K / Q6_K with AVX-512 VNNI, below Q8_K_ROWS rows of x; the exact kernels from
  * there) and K a multiple of 32 (returns -1 otherwise, computing nothing). */
 int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                      const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {

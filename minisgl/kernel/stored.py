@@ -64,7 +64,7 @@ class StoredWeight:
 
     `dot` is how `linear` multiplies it: "exact" (the default) dequantizes each block with the reference
     arithmetic; "int8" (the engine's --stored-dot int8) quantizes the activations to int8 blocks of 32 for
-    the Q4_0/Q4_1/Q8_0 parts where K is a multiple of 32, and Q4_K/Q6_K on CPUs with AVX-512 VNNI
+    the Q4_0/Q4_1/Q8_0 parts where K is a multiple of 32, and Q4_K/Q5_K/Q6_K on CPUs with AVX-512 VNNI
     (cpu.int8_dot_supported; llama.cpp's kind of arithmetic, approximate); the other parts stay exact."""
 
     def __init__(self, parts: list[StoredPart]) -> None:
