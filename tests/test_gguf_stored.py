@@ -465,6 +465,40 @@ def test_a_synthetic_q4_k_m_file_stored_equals_hf_on_its_float32_conversion(tmp_
             os.unlink(d + ".lock")
 
 
+def test_a_synthetic_qwen3_moe_file_stored_equals_hf_on_its_float32_conversion(tmp_path):
+    """A Qwen3-MoE file in llama.cpp's layout (`qwen3moe`: Q4_K experts with Q6_K down projections, a
+    float32 router, the default model's tokenizer) from the benchmark's generator: read as stored, its
+    greedy tokens are Hugging Face float32's on the file converted through transformers, whose GGUF reader
+    leaves out the expert width and the renormalised routing (the conversion puts them back)."""
+    from minisgl.benchmark import synth_gguf
+
+    path = str(tmp_path / "moe.gguf")
+    synth_gguf.main([path, "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--experts",
+                     "6", "--experts-used", "2", "--expert-intermediate", "256"])  # fmt: skip
+    prompts = [random_prompt(n, 49152, seed=n) for n in (5, 23)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    dirs = []
+    with make_llm(path, **tiny_llm_kwargs(weights_format="float32")) as llm:
+        dirs.append(llm.scheduler.engine.model_dir)
+        converted = llm.generate(prompts, sp)
+    with make_llm(path, **tiny_llm_kwargs(weights_format="stored", attn=ATTNS[-1])) as llm:
+        experts = llm.scheduler.engine.model.model.layers[1].mlp.experts
+        assert experts.stored is not None
+        assert {p.ggml_type for p in experts.stored[0][0].parts} == {Q.Q4_K}
+        assert experts.stored[1][0].parts[0].ggml_type == Q.Q6_K
+        outs = llm.generate(prompts, sp)
+        dirs.append(llm.scheduler.engine.model_dir)
+    ref = HFReference(dirs[0])
+    assert ref.model.config.moe_intermediate_size == 256 and ref.model.config.norm_topk_prob
+    for prompt, out, conv in zip(prompts, outs, converted):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what="Qwen3-MoE stored")
+        assert_tokens_equal_hf(conv["token_ids"], ref, prompt, what="Qwen3-MoE converted")
+    for d in dirs:  # the prepared directories of this temporary file
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(d + ".lock"):
+            os.unlink(d + ".lock")
+
+
 def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path):
     """A rope_freqs tensor no llama3 rope scaling produces: an error naming it, not a silent guess."""
     from minisgl.utils.gguf_file import hf_config, open_gguf
@@ -538,13 +572,13 @@ def test_the_float32_conversion_keeps_the_files_rope_scaling(tmp_path):
     it saves (YaRN from metadata keys here, Llama 3's rope_freqs in the Q4_K_M test above)."""
     from transformers import AutoConfig
 
-    from minisgl.utils.hf import _keep_rope_scaling
+    from minisgl.utils.hf import _complete_config
 
     gguf_path, hf_dir = write_tiny_gguf("qwen2_yarn", str(tmp_path))
     config = AutoConfig.from_pretrained(hf_dir)
     expected = dict(config.rope_parameters)
     config.rope_parameters = {"rope_theta": expected["rope_theta"], "rope_type": "default"}
-    _keep_rope_scaling(gguf_path, config)
+    _complete_config(gguf_path, config)
     assert {k: v for k, v in config.rope_parameters.items() if v is not None} == {
         k: v for k, v in expected.items() if v is not None
     }

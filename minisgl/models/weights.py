@@ -69,7 +69,12 @@ def load_weights(
         name, part = merged_name(name)
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
-        if module is None or not hasattr(module, "load_shard") or getattr(module, attr, None) is None:
+        stacked = isinstance(module, Experts)  # all experts in one tensor: gate_up_proj, down_proj
+        if (
+            module is None
+            or not hasattr(module, "load_shard")
+            or (getattr(module, attr, None) is None and not stacked)
+        ):
             if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                 continue
             raise ValueError(

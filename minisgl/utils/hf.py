@@ -90,13 +90,16 @@ def convert_gguf(gguf_path: str) -> str:
         )
         with _step("Step 1/4: loading transformers' GGUF reader"):
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         folder, fname = os.path.split(os.path.abspath(gguf_path))
         with _step("Step 2/4: reading the tokenizer from the GGUF file"):
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
         with _step("Step 3/4: reading and dequantizing the weights"):
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-            _keep_rope_scaling(gguf_path, model.config)
+            config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+            _complete_config(gguf_path, config)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=fname, config=config, dtype=torch.float32
+            )
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         with _step("Step 4/4: writing safetensors, config and tokenizer"):
@@ -106,15 +109,22 @@ def convert_gguf(gguf_path: str) -> str:
     return out
 
 
-def _keep_rope_scaling(gguf_path: str, config: Any) -> None:
-    """transformers' GGUF reader drops a file's rope scaling (llama.cpp's rope.scaling metadata, a Llama
-    3.1+ rope_freqs tensor): put the scaling back into the config."""
-    from .gguf_file import open_gguf, rope_scaling
+def _complete_config(gguf_path: str, config: Any) -> None:
+    """What transformers' GGUF reader leaves out of the config, put back as the stored path reads it
+    (utils/gguf_file.py): the rope scaling (llama.cpp's rope.scaling metadata, a Llama 3.1+ rope_freqs
+    tensor), and a Qwen3-MoE's expert width and routing (expert_feed_forward_length; top-k weights
+    renormalised, as llama.cpp computes them, where HF's default does not)."""
+    from .gguf_file import hf_config, open_gguf, rope_scaling
 
+    reader = open_gguf(gguf_path)
+    if getattr(config, "model_type", None) == "qwen3_moe":
+        ours = hf_config(reader)
+        config.moe_intermediate_size = ours["moe_intermediate_size"]
+        config.norm_topk_prob = ours["norm_topk_prob"]
     rope = getattr(config, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    scaling = rope_scaling(open_gguf(gguf_path), head_dim, theta)
+    scaling = rope_scaling(reader, head_dim, theta)
     if scaling is not None:
         config.rope_parameters = {"rope_theta": theta, **scaling}
 
