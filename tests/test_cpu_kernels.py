@@ -287,3 +287,36 @@ def test_bf16_model_keeps_a_float32_kv_pool_and_decodes_like_the_torch_backend()
     want = reference.forward(q, k, v, 0, batch)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_stored_experts_in_one_call_equal_the_reference_loop(tokens):
+    """A sparse layer's GGUF experts (Q4_K gate, Q8_0 up, Q6_K down) through moe_stored against the
+    reference's loop over the experts (kernel/reference.py fused_moe, each expert's stored weights through
+    kernel.linear): the same sums, added in the same expert order; some experts chosen by no token."""
+    E, H, inter, k = 6, 256, 512, 2
+    w13, w2 = [], []
+    for e in range(E):
+        parts = []
+        for name, n, kk, seed in (
+            ("Q4_K", inter, H, 3 * e),
+            ("Q8_0", inter, H, 3 * e + 1),
+            ("Q6_K", H, inter, 3 * e + 2),
+        ):
+            parts.append(
+                stored.StoredPart(stored.TYPE_IDS[name], random_stored_rows(name, n, kk, seed), n, kk)
+            )
+        w13.append(stored.StoredWeight(parts[:2]))
+        w2.append(stored.StoredWeight(parts[2:]))
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.randint(0, E - 2, (tokens, k), generator=g, dtype=torch.int32)  # experts 4, 5: none
+    ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, E - 3, (tokens,), generator=g)) % (E - 2)  # distinct
+    weights = torch.rand(tokens, k, generator=g)
+    desc = torch.tensor(
+        [[v for p in (*w13[e].parts, *w2[e].parts) for v in (p.ggml_type, p.data.data_ptr(), p.data.stride(0))]
+         for e in range(E)], dtype=torch.int64)  # fmt: skip
+    got = cpu_kernels.moe_stored(x, ids, weights, desc, inter)
+    want = ref.fused_moe(x, w13, w2, weights, ids, linear=kernel.linear)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)

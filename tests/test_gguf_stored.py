@@ -283,6 +283,8 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
         if moe:  # every expert's blocks as stored, the float stacks never allocated
             experts = model.model.layers[1].mlp.experts
             assert experts.stored is not None and not hasattr(experts, "w13")
+            # the one-call C kernel where it builds, the reference loop over kernel.linear otherwise
+            assert (experts.stored_desc is not None) == cpu.available()
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight, StoredWeight)
         assert isinstance(model.lm_head.weight, StoredWeight)
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == SPECS[name][3][

@@ -129,6 +129,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_stored_q8.restype = i32
     lib.stored_type_supported.argtypes = [i32]
     lib.q8_type_supported.argtypes = [i32]
+    lib.moe_stored_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
+    lib.moe_stored_f32.restype = None
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
         lib.linear_packed_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
@@ -295,6 +297,26 @@ def stored_type_supported(ggml_type: int) -> bool:
     """Whether the C kernels read this GGUF block type (kernel/stored.py lists the ones they do)."""
     lib = _load()
     return lib is not None and bool(lib.stored_type_supported(ggml_type))
+
+
+def moe_stored(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, inter: int
+) -> torch.Tensor:
+    """A sparse layer's experts as stored, in one call (cpu_kernels.c's moe_stored_f32): x [T, H] float32,
+    ids int32 [T, k] (-1: none), weights float32 [T, k], experts int64 [E, 9]: per expert (type, data
+    address, row bytes) of its gate [inter, H], up and down [H, inter] rows. Returns [T, H] float32:
+    the routing-weighted sum of each token's experts, added in expert order."""
+    T, H = x.shape
+    k, E = ids.shape[1], experts.shape[0]
+    x, ids, weights = x.contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous()
+    out = torch.empty(T, H, dtype=torch.float32)
+    scratch = torch.empty(T * k * (2 * H + 3 * inter), dtype=torch.float32)
+    order = torch.empty(T * k + E + 1, dtype=torch.int64)
+    _lib.moe_stored_f32(
+        x.data_ptr(), T, H, inter, k, ids.data_ptr(), weights.data_ptr(), experts.data_ptr(), E,
+        out.data_ptr(), scratch.data_ptr(), order.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def int8_dot_supported(ggml_type: int) -> bool:

@@ -1438,6 +1438,58 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
     linear_stored_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
+/* ---- a sparse layer's experts as stored -------------------------------------------------------------------
+ * out [T, H] = sum over token t's k choices j of w[t][j] down_e(silu(gate_e(x[t])) * up_e(x[t])), e =
+ * ids[t][j] (-1: none), in one parallel region: the (token, choice) pairs are grouped by expert, each
+ * expert's rows gathered and multiplied by its three stored weights at once (the exact stored GEMM, any
+ * rows), and each token's results added in expert order, the reference's (kernel/reference.py fused_moe).
+ * experts: E x 9 int64, per expert (type, data, row bytes) of gate [I, H], up [I, H], down [H, I]. scratch:
+ * T k (H + 3 I + H) floats, order: T k + E + 1 int64. */
+void moe_stored_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int32_t *ids,
+                    const float *w, const int64_t *experts, int64_t E, float *out, float *scratch, int64_t *order,
+                    int num_threads) {
+    const int64_t P = T * k;
+    int64_t *start = order + P;  // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
+    float *xs = scratch, *gu = xs + P * H, *act = gu + P * 2 * I, *ys = act + P * I;
+    for (int64_t e = 0; e <= E; e++) start[e] = 0;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t fill[E];
+    for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+    for (int64_t p = 0; p < P; p++)  // pairs in token order within each expert
+        if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
+    const int64_t used = start[E];
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < used; i++) memcpy(xs + i * H, x + order[i] / k * H, H * sizeof(float));
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t n = start[e + 1] - start[e], *d = experts + 9 * e;
+            if (!n) continue;
+            const float *xe = xs + start[e] * H;
+            float *g = gu + start[e] * 2 * I;
+            linear_stored_work(xe, H, (const uint8_t *)d[1], (int)d[0], d[2], 0, g, 2 * I, n, I, H);
+            linear_stored_work(xe, H, (const uint8_t *)d[4], (int)d[3], d[5], 0, g + I, 2 * I, n, I, H);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) silu_row(g + i * 2 * I, g + i * 2 * I + I, act + (start[e] + i) * I, I);
+            linear_stored_work(act + start[e] * I, I, (const uint8_t *)d[7], (int)d[6], d[8], 0, ys + start[e] * H,
+                               H, n, H, I);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {  // each token's choices in expert order, float32 as the reference
+            float *o = out + t * H;
+            for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
+            for (int64_t e = 0; e < E; e++)
+                for (int64_t i = start[e]; i < start[e + 1]; i++) {
+                    if (order[i] / k != t) continue;
+                    const float c = w[order[i]], *y = ys + i * H;
+                    for (int64_t h = 0; h < H; h++) o[h] += y[h] * c;
+                }
+        }
+    }
+}
+
 /* ---- the int8-activation dot (opt-in: --stored-dot int8) ------------------------------------------------
  * llama.cpp's arithmetic for Q4_0 / Q4_1 / Q8_0 weights: each block of 32 activations is quantized to int8
  * with one float32 scale d = max|x| / 127 (q = round(x / d), half away from zero) and s = d * sum(q); a

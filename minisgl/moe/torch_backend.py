@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl import kernel
+from minisgl.kernel import cpu
 from minisgl.kernel import reference as ref
 
 from .base import MoEBackend
@@ -23,7 +24,10 @@ class TorchMoEBackend(MoEBackend):
     def experts(
         self, x: torch.Tensor, experts: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        if experts.stored is not None:  # GGUF experts as stored: each expert's blocks through kernel.linear
+        if experts.stored is not None:  # GGUF experts as stored
             w13, w2 = experts.stored
+            if experts.stored_desc is not None and x.dtype == torch.float32 and w13[0].dot == "exact":
+                # every chosen expert of every token in one C call
+                return cpu.moe_stored(x, topk_ids, topk_weights, experts.stored_desc, experts.shard)
             return ref.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=kernel.linear)
         return ref.fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids, experts.expert_start)
