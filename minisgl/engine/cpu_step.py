@@ -1,14 +1,18 @@
-"""The CPU decode step: every layer of a dense Llama-family model (Llama, SmolLM2, Mistral, Qwen2, Qwen3)
-in one call into the C kernels (kernel/cpu.py `decode_step`), the CPU's counterpart of a decode graph.
+"""The CPU decode step: every layer of a Llama-family model (Llama, SmolLM2, Mistral, Qwen2, Qwen3, and
+Qwen3-MoE/Mixtral with GGUF experts as stored) in one call into the C kernels (kernel/cpu.py
+`decode_step`), the CPU's counterpart of a decode graph.
 
 The layers' Python issues about a dozen kernel calls per layer, each a few microseconds of dispatch: on a
 small model that was as long as the GEMVs themselves (docs/BENCHMARKS.md). The step runs the same kernels
 in the same order inside one parallel region, so it computes what the layers compute; the LM head and
-sampling stay with the engine. Models or settings it does not cover (MoE, tensor parallelism, half
-precision, another attention backend) keep the layer-by-layer path."""
+sampling stay with the engine. A sparse layer routes in C (softmax, top k, renormalised as the reference)
+and runs its stored experts through the same kernel as the layers (moe_stored). Models or settings it does
+not cover (float experts, experts with the int8 dot, tensor parallelism, half precision, another attention
+backend) keep the layer-by-layer path."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +22,7 @@ from minisgl.attention.cpu_backend import CpuAttnBackend
 from minisgl.kernel import StoredWeight, stored
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from minisgl.moe import SparseMoeBlock
 from minisgl.utils import init_logger
 
 if TYPE_CHECKING:
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
+_LIN_WORDS = 2 + 5 * _MAX_PARTS
 _XGROUP_FLOATS = 84  # four quantized blocks of 32 activations, in floats (sizeof(xgroup) / 4 there at most)
 
 
@@ -74,9 +80,24 @@ def _norm_ptr(norm: torch.nn.Module | None, keep: list) -> int:
     return w.data_ptr()
 
 
+def _moe_words(mlp: torch.nn.Module, keep: list) -> list[int]:
+    """A sparse layer's MOE_WORDS: its router (a linear), experts, top k, renormalize, the experts' C
+    descriptor (GGUF experts as stored only) and their intermediate size; zeros for a dense layer."""
+    if not isinstance(mlp, SparseMoeBlock):
+        return [0] * (_LIN_WORDS + 5)
+    experts = mlp.experts
+    if experts.stored_desc is None:
+        raise Unsupported("experts not stored as GGUF blocks")
+    keep.append(experts.stored_desc)
+    router = _linear_words(SimpleNamespace(weight=mlp.gate.weight, bias=None), keep)
+    desc = experts.stored_desc.data_ptr()
+    return [*router, experts.num_experts, mlp.top_k, int(mlp.renormalize), desc, experts.shard]
+
+
 def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ...], keep: list) -> list[int]:
-    if type(layer.mlp) is not LlamaMLP or not isinstance(layer, LlamaDecoderLayer):
-        raise Unsupported("a mixture-of-experts or non-Llama layer")
+    sparse = isinstance(layer.mlp, SparseMoeBlock)
+    if not (sparse or type(layer.mlp) is LlamaMLP) or not isinstance(layer, LlamaDecoderLayer):
+        raise Unsupported("a non-Llama layer")
     attn: LlamaAttention = layer.self_attn
     if attn.o_proj.tp_size != 1:
         raise Unsupported("tensor parallelism")
@@ -85,9 +106,13 @@ def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ..
     words = [_norm_ptr(layer.input_layernorm, keep), _norm_ptr(layer.post_attention_layernorm, keep)]
     words += [_norm_ptr(attn.q_norm, keep), _norm_ptr(attn.k_norm, keep)]
     words += [k_cache.data_ptr(), v_cache.data_ptr()]
-    for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+    for proj in (attn.qkv_proj, attn.o_proj):
         words += _linear_words(proj, keep)
-    return [*words, windows[lid] if windows else 0]
+    if sparse:
+        words += [0] * (2 * _LIN_WORDS)
+    else:
+        words += _linear_words(layer.mlp.gate_up_proj, keep) + _linear_words(layer.mlp.down_proj, keep)
+    return [*words, windows[lid] if windows else 0, *_moe_words(layer.mlp, keep)]
 
 
 class CpuDecodeStep:
@@ -126,16 +151,28 @@ class CpuDecodeStep:
         self.hidden = cfg.hidden_size
         self.qkv = (attn0.num_heads + 2 * attn0.num_kv_heads) * cfg.head_dim
         self.q = attn0.num_heads * cfg.head_dim
-        self.inter = inner.layers[0].mlp.down_proj.input_shard
+        dense = [layer.mlp for layer in inner.layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        sparse = [layer.mlp for layer in inner.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if sparse and int8:
+            raise Unsupported("the int8 dot with experts")  # the layers' reference loop honours it
+        self.inter = max((mlp.down_proj.input_shard for mlp in dense), default=0)
+        # a sparse layer's scratch a token (floats, int64): router logits, routing, the experts' rows
+        self._moe = [
+            max((m.experts.num_experts + 2 * m.top_k + m.top_k * (2 * cfg.hidden_size + 3 * m.experts.shard)
+                 for m in sparse), default=0),
+            max((m.top_k for m in sparse), default=0),
+            max((m.experts.num_experts + 1 for m in sparse), default=0),
+        ]  # fmt: skip
         dims = [len(layers), cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim, self.inter]
         model_words = [*dims, cos_sin.shape[1], cos_sin.data_ptr(), _norm_ptr(inner.norm, self._keep)]
-        model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8)]
+        model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8), 0, 0]
         # int8: room a row for the widest linear input quantized (groups of up to four blocks of 32)
         widest = max(self.hidden, self.q, self.inter)
         self._q8_row = (widest + 127) // 128 * _XGROUP_FLOATS if int8 else 0
         self.model_desc = torch.tensor(model_words, dtype=torch.int64)
         self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
         self._scratch = torch.empty(0)
+        self._moe_scratch = (torch.empty(0), torch.empty(0, dtype=torch.int64))
 
     @classmethod
     def create(
@@ -163,6 +200,10 @@ class CpuDecodeStep:
         need = B * (3 * H + self.qkv + self.q + 3 * self.inter + self._q8_row)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
+        floats, k, ints = self._moe
+        if floats and self._moe_scratch[0].numel() < B * floats:
+            self._moe_scratch = (torch.empty(B * floats), torch.empty(B * k + ints, dtype=torch.int64))
+            self.model_desc[16], self.model_desc[17] = (t.data_ptr() for t in self._moe_scratch)
         i64 = torch.int64
         tokens = (
             batch.input_ids.to(i64).contiguous(),

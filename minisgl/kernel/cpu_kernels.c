@@ -1440,55 +1440,86 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
 
 /* ---- a sparse layer's experts as stored -------------------------------------------------------------------
  * out [T, H] = sum over token t's k choices j of w[t][j] down_e(silu(gate_e(x[t])) * up_e(x[t])), e =
- * ids[t][j] (-1: none), in one parallel region: the (token, choice) pairs are grouped by expert, each
- * expert's rows gathered and multiplied by its three stored weights at once (the exact stored GEMM, any
- * rows), and each token's results added in expert order, the reference's (kernel/reference.py fused_moe).
- * experts: E x 9 int64, per expert (type, data, row bytes) of gate [I, H], up [I, H], down [H, I]. scratch:
- * T k (H + 3 I + H) floats, order: T k + E + 1 int64. */
-void moe_stored_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int32_t *ids,
-                    const float *w, const int64_t *experts, int64_t E, float *out, float *scratch, int64_t *order,
-                    int num_threads) {
+ * ids[t][j] (-1: none): the (token, choice) pairs are grouped by expert, each expert's rows gathered and
+ * multiplied by its three stored weights at once (the exact stored GEMM, any rows), and each token's results
+ * added in expert order, the reference's (kernel/reference.py fused_moe). experts: E x 9 int64, per expert
+ * (type, data, row bytes) of gate [I, H], up [I, H], down [H, I]. scratch: T k (2 H + 3 I) floats, order:
+ * T k + E + 1 int64. For the threads of an enclosing parallel region (one groups the pairs). */
+static void moe_stored_work(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t I, int64_t k,
+                            const int32_t *ids, const float *w, const int64_t *experts, int64_t E, float *out,
+                            float *scratch, int64_t *order) {
     const int64_t P = T * k;
     int64_t *start = order + P;  // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
     float *xs = scratch, *gu = xs + P * H, *act = gu + P * 2 * I, *ys = act + P * I;
-    for (int64_t e = 0; e <= E; e++) start[e] = 0;
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    int64_t fill[E];
-    for (int64_t e = 0; e < E; e++) fill[e] = start[e];
-    for (int64_t p = 0; p < P; p++)  // pairs in token order within each expert
-        if (ids[p] >= 0 && ids[p] < E) order[fill[ids[p]]++] = p;
-    const int64_t used = start[E];
-#pragma omp parallel num_threads(num_threads)
+#pragma omp single
     {
+        for (int64_t e = 0; e <= E; e++) start[e] = 0;
+        for (int64_t p = 0; p < P; p++)
+            if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
+        for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+        for (int64_t e = 0; e < E; e++)  // pairs in token order within each expert
+            for (int64_t p = 0, n = start[e]; p < P; p++)
+                if (ids[p] == e) order[n++] = p;
+    }
+    const int64_t used = start[E];
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < used; i++) memcpy(xs + i * H, x + order[i] / k * H, H * sizeof(float));
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t n = start[e + 1] - start[e], *d = experts + 9 * e;
-            if (!n) continue;
-            const float *xe = xs + start[e] * H;
-            float *g = gu + start[e] * 2 * I;
-            linear_stored_work(xe, H, (const uint8_t *)d[1], (int)d[0], d[2], 0, g, 2 * I, n, I, H);
-            linear_stored_work(xe, H, (const uint8_t *)d[4], (int)d[3], d[5], 0, g + I, 2 * I, n, I, H);
+    for (int64_t i = 0; i < used; i++) memcpy(xs + i * H, x + order[i] / k * ldx, H * sizeof(float));
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e], *d = experts + 9 * e;
+        if (!n) continue;
+        const float *xe = xs + start[e] * H;
+        float *g = gu + start[e] * 2 * I;
+        linear_stored_work(xe, H, (const uint8_t *)d[1], (int)d[0], d[2], 0, g, 2 * I, n, I, H);
+        linear_stored_work(xe, H, (const uint8_t *)d[4], (int)d[3], d[5], 0, g + I, 2 * I, n, I, H);
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n; i++) silu_row(g + i * 2 * I, g + i * 2 * I + I, act + (start[e] + i) * I, I);
-            linear_stored_work(act + start[e] * I, I, (const uint8_t *)d[7], (int)d[6], d[8], 0, ys + start[e] * H,
-                               H, n, H, I);
-        }
+        for (int64_t i = 0; i < n; i++) silu_row(g + i * 2 * I, g + i * 2 * I + I, act + (start[e] + i) * I, I);
+        linear_stored_work(act + start[e] * I, I, (const uint8_t *)d[7], (int)d[6], d[8], 0, ys + start[e] * H, H,
+                           n, H, I);
+    }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {  // each token's choices in expert order, float32 as the reference
-            float *o = out + t * H;
-            for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
-            for (int64_t e = 0; e < E; e++)
-                for (int64_t i = start[e]; i < start[e + 1]; i++) {
-                    if (order[i] / k != t) continue;
-                    const float c = w[order[i]], *y = ys + i * H;
-                    for (int64_t h = 0; h < H; h++) o[h] += y[h] * c;
-                }
+    for (int64_t t = 0; t < T; t++) {  // each token's choices in expert order, float32 as the reference
+        float *o = out + t * H;
+        for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
+        for (int64_t i = 0; i < used; i++) {
+            if (order[i] / k != t) continue;
+            const float c = w[order[i]], *y = ys + i * H;
+            for (int64_t h = 0; h < H; h++) o[h] += y[h] * c;
         }
     }
 }
+
+void moe_stored_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int32_t *ids,
+                    const float *w, const int64_t *experts, int64_t E, float *out, float *scratch, int64_t *order,
+                    int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    moe_stored_work(x, H, T, H, I, k, ids, w, experts, E, out, scratch, order);
+}
+
+#if HAVE_AVX2
+/* Mixture-of-experts routing as kernel/reference.py moe_route, for T rows of logits [T, E] (one thread):
+ * softmax in float32, the top k (the larger first; the lower index first among equals), divided by their
+ * sum when renormalize. */
+static void moe_route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, int32_t *ids,
+                           float *w) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        float mx = -INFINITY, sum = 0.0f, p[E];
+        for (int64_t e = 0; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(l[e] - mx);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float tot = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            ids[t * k + j] = (int32_t)best, w[t * k + j] = p[best], tot += p[best];
+            p[best] = -1.0f;
+        }
+        if (renormalize)
+            for (int64_t j = 0; j < k; j++) w[t * k + j] /= tot;
+    }
+}
+#endif
 
 /* ---- the int8-activation dot (opt-in: --stored-dot int8) ------------------------------------------------
  * llama.cpp's arithmetic for Q4_0 / Q4_1 / Q8_0 weights: each block of 32 activations is quantized to int8
@@ -2140,9 +2171,12 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
  * A linear layer is LIN_WORDS int64: [parts, bias, then (kind, ggml type, data, row bytes, rows) per part]
  * with kind 0 float32 panels (pack_weight_f32) and kind 1 stored rows; parts stack along the output. */
 #define LIN_WORDS 17
-/* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down, the attention window (0: full) */
-#define LAYER_WORDS (7 + 4 * LIN_WORDS)
-#define MODEL_WORDS 16
+/* norms (input, post, q, k), k/v cache, qkv, o, gate|up, down, the attention window (0: full), then a sparse
+ * layer's MOE_WORDS (its experts' address 0 for a dense layer): the router (a linear), experts E, top k,
+ * renormalize, the experts' descriptor (moe_stored_work), their intermediate size */
+#define MOE_WORDS (LIN_WORDS + 5)
+#define LAYER_WORDS (7 + 4 * LIN_WORDS + MOE_WORDS)
+#define MODEL_WORDS 18
 /* qx (not NULL: int8 mode, room for M quantized rows of K): with K a multiple of 32, x is quantized once
  * and the parts q8_takes take the int8 dot; the rest (and every part without qx) the exact kernels. */
 static void lin_run(const int64_t *d, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
@@ -2179,7 +2213,8 @@ static void qk_prepare(float *q, float *k, int Hq, int Hk, int D, const float *q
 
 /* The model (MODEL_WORDS int64): layers, hidden, q heads, kv heads, head dim, intermediate, rotary dims,
  * cos|sin table, final norm, page table, its row stride, embedding kind (1 stored, 2 float32 rows), type,
- * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run). For B
+ * data, row bytes, int8 mode (1: the int8-activation dot for Q4_0/Q4_1/Q8_0 parts, see lin_run), and for
+ * sparse layers their scratch: floats (B x (E + 2 k + k (2 H + 3 I_moe))) and int64 (B k + E + 1). For B
  * decode tokens: ids, positions, KV slots, page-table rows and key counts (int64); scratch holds
  * B x (3 H + qkv + Hq D + 3 I) floats, then in int8 mode B x ceil(max(H, Hq D, I) / 128) x 84 floats
  * (room for the quantized rows: xgroup); out [B, H] gets the final norm's output. */
@@ -2226,6 +2261,18 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++)
                 rms_row(x + b * H, res + b * H, res + b * H, (const float *)ly[1], nrm + b * H, H, eps);
+            const int64_t *mo = ly + 7 + 4 * LIN_WORDS;
+            if (mo[LIN_WORDS + 3]) {  // a sparse layer: route, then its stored experts
+                const int64_t E = mo[LIN_WORDS], k = mo[LIN_WORDS + 1];
+                float *logits = (float *)m[16], *wts = logits + B * E;
+                int32_t *eids = (int32_t *)(wts + B * k);
+                lin_run(mo, nrm, H, logits, E, B, H, 0);
+#pragma omp single
+                moe_route_rows(logits, B, E, k, (int)mo[LIN_WORDS + 2], eids, wts);
+                moe_stored_work(nrm, H, B, H, mo[LIN_WORDS + 4], k, eids, wts, (const int64_t *)mo[LIN_WORDS + 3], E,
+                                x, (float *)(eids + B * k), (int64_t *)m[17]);
+                continue;
+            }
             lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H, qx);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) silu_row(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
