@@ -126,7 +126,7 @@ def test_fallback_builds_of_attention_and_linear_equal_the_references(variant, m
             torch.testing.assert_close(y, (x.double() @ dense.double().T).float(), atol=1e-4, rtol=1e-5)
         # every other block type, on random blocks (K-quants: rows of 512, two blocks)
         xk = torch.randn(m, 512, generator=g)
-        for name in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        for name in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
             t = stored.TYPE_IDS[name]
             data = random_stored_rows(name, 37, 512, seed=m)
             y = torch.empty(m, 37)

@@ -26,6 +26,8 @@ BLOCK_TYPES = [
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
     "F16",
     "BF16",
     "F32",
@@ -60,8 +62,8 @@ def test_embedding_rows_are_the_reference_dequantization(name):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 33, 129])
 @pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
 def test_linear_equals_reference_matmul(name, rows, n):
-    k = 768 if name.endswith("_K") else 352  # 352: a last K chunk shorter than 256
     t = stored.TYPE_IDS[name]
+    k = 768 if stored.STORED_TYPES[t][1] == 256 else 352  # 352: a last K chunk shorter than 256
     data = random_rows(name, n, k, seed=rows * 10 + n)
     w = stored.StoredWeight([stored.StoredPart(t, data, n, k)])
     g = torch.Generator().manual_seed(rows)

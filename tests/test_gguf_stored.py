@@ -4,7 +4,7 @@ Tiny random Llama (tied head), Qwen3 (untied, q/k norms), Qwen2 (q/k/v biases), 
 (experts in 3-D tensors, each expert's blocks read as stored) models are written as
 GGUF files the way llama.cpp's converter writes them (its metadata keys, its q/k row permutation for
 Llama), with a different block type per projection: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/F16 blocks from gguf's own
-quantizer, Q2_K/Q3_K/Q4_K/Q5_K/Q6_K random blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
+quantizer, Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS random blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
 those blocks; minisgl reads the file with weights_format="stored". The default model, stored, gives the
 tokens of Hugging Face on today's float32 conversion on the README's prompts."""
 
@@ -46,16 +46,17 @@ QWEN3_TYPES = {
     "embed_tokens": Q.Q4_1,
     "lm_head": Q.Q6_K,
 }
-# the block types with a fifth bit (Q5_0/Q5_1 from gguf's quantizer) and the 2-, 3- and 5-bit K-quants
+# the block types with a fifth bit (Q5_0/Q5_1 from gguf's quantizer), the 2-, 3- and 5-bit K-quants and the
+# non-linear IQ4_NL / IQ4_XS (random blocks)
 QWEN2_TYPES = {
     "q_proj": Q.Q5_0,
     "k_proj": Q.Q5_1,
     "v_proj": Q.Q3_K,
     "o_proj": Q.Q5_K,
     "gate_proj": Q.Q2_K,
-    "up_proj": Q.Q5_K,
+    "up_proj": Q.IQ4_XS,
     "down_proj": Q.Q3_K,
-    "embed_tokens": Q.Q5_1,
+    "embed_tokens": Q.IQ4_NL,
     "lm_head": Q.Q5_0,
 }
 # the experts' block types (their 3-D tensors), the router stays float32
@@ -133,7 +134,8 @@ def _llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
 def _blocks(w: torch.Tensor, qtype: Q, seed: int) -> np.ndarray:
     """The rows of w as blocks of qtype: gguf's quantizer where it has one, else random blocks whose
     fp16 scales are set so the weights have w's spread."""
-    scale_at = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}.get(qtype)
+    scale_at = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
+                Q.IQ4_XS: [0]}.get(qtype)  # fmt: skip
     if scale_at is None:
         return gguf.quants.quantize(w.numpy(), qtype)
     rng = np.random.default_rng(seed)
@@ -310,28 +312,28 @@ def test_tiny_gguf_stored_equals_hf_on_the_dequantized_weights(name, attn, tmp_p
 
 def test_unsupported_block_type_is_named(tmp_path):
     """A projection in a type the kernels do not read: an error naming the type and the way out."""
-    path = str(tmp_path / "iq4.gguf")
+    path = str(tmp_path / "iq2.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     for key, value in [
         ("block_count", 1),
         ("context_length", 64),
-        ("embedding_length", 64),
-        ("feed_forward_length", 64),
+        ("embedding_length", 256),
+        ("feed_forward_length", 256),
         ("attention.head_count", 2),
         ("vocab_size", 32),
     ]:
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
-    raw = np.zeros((64, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.IQ4_NL][1]), np.uint8)
-    writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
-    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=Q.IQ4_NL)
+    raw = np.zeros((256, gguf.GGML_QUANT_SIZES[Q.IQ2_XXS][1]), np.uint8)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 256), np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=Q.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     from minisgl.llm import LLM
 
-    with pytest.raises(ValueError, match="IQ4_NL.*Q5_K.*--weights-format float32"):
+    with pytest.raises(ValueError, match="IQ2_XXS.*IQ4_XS.*--weights-format float32"):
         LLM(path, **tiny_llm_kwargs(weights_format="stored"))
 
 

@@ -11,7 +11,7 @@ experts' gate, up and down projections in one 3-D tensor each, typed as the reci
 and ffn_down); head_dim is hidden / heads.
 
 Recipes: q4_k_m (attn_v, ffn_down and the output head Q6_K, the rest Q4_K, as llama.cpp's Q4_K_M keeps
-them), q5_k_m (Q5_K and Q6_K), q6_k, q4_0, q8_0. Each block's fp16 scales are drawn so the weights have
+them), q5_k_m (Q5_K and Q6_K), q6_k, iq4_xs (IQ4_XS, the output head Q6_K), q4_0, q8_0. Each block's fp16 scales are drawn so the weights have
 about 1/sqrt(fan-in) of spread; norms are ones."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ RECIPES = {
     "q4_k_m": {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},
     "q5_k_m": {"default": "Q5_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},
     "q6_k": {"default": "Q6_K"},
+    "iq4_xs": {"default": "IQ4_XS", "output": "Q6_K"},
     "q4_0": {"default": "Q4_0", "output": "Q8_0"},
     "q8_0": {"default": "Q8_0"},
 }

@@ -553,7 +553,7 @@ void store_kv_f32(float *k_cache, float *v_cache, const int64_t *loc, const floa
 
 enum {
     GT_F32 = 0, GT_F16 = 1, GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q5_0 = 6, GT_Q5_1 = 7, GT_Q8_0 = 8, GT_Q2_K = 10,
-    GT_Q3_K = 11, GT_Q4_K = 12, GT_Q5_K = 13, GT_Q6_K = 14, GT_BF16 = 30
+    GT_Q3_K = 11, GT_Q4_K = 12, GT_Q5_K = 13, GT_Q6_K = 14, GT_IQ4_NL = 20, GT_IQ4_XS = 23, GT_BF16 = 30
 };
 
 static inline uint16_t rd16(const uint8_t *p) {
@@ -597,7 +597,7 @@ static inline float bf16_to_f32(uint16_t h) {
 
 static int64_t qk_of(int type) {
     if (type == GT_F32 || type == GT_F16 || type == GT_BF16) return 1;
-    return type >= GT_Q2_K && type <= GT_Q6_K ? 256 : 32;
+    return (type >= GT_Q2_K && type <= GT_Q6_K) || type == GT_IQ4_XS ? 256 : 32;
 }
 
 static int64_t block_bytes(int type) {
@@ -614,6 +614,8 @@ static int64_t block_bytes(int type) {
     case GT_Q4_K: return 144;
     case GT_Q5_K: return 176;
     case GT_Q6_K: return 210;
+    case GT_IQ4_NL: return 18;
+    case GT_IQ4_XS: return 136;
     default: return 0;
     }
 }
@@ -1036,6 +1038,39 @@ static void deq_q6_k(const uint8_t *src, int64_t n, float *out) {
 }
 #endif
 
+/* IQ4_NL (a block of 32: d, 16 bytes of nibbles) and IQ4_XS (a block of 256: d, the high 2 bits of 8
+ * six-bit scales in a little-endian word, their low 4 bits in 4 bytes' nibbles, 8 runs of 16 bytes): each
+ * nibble indexes ggml's kvalues_iq4nl, times d (IQ4_NL) or the sub-block's d (scale - 32); the first 16
+ * values of a run of 32 are its bytes' low nibbles, the next 16 their high nibbles. Every product exact,
+ * as the reference's. */
+static const float IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static void deq_iq4(int type, const uint8_t *src, int64_t n, float *out) {
+    const int64_t bb = block_bytes(type), runs = type == GT_IQ4_XS ? 8 : 1;
+    for (int64_t b = 0; b < n; b += 32 * runs, src += bb) {
+        const float d = fp16_to_f32(rd16(src));
+        const uint8_t *qs = src + (type == GT_IQ4_XS ? 8 : 2);
+        for (int64_t c = 0; c < runs; c++, out += 32, qs += 16) {
+            float dl = d;
+            if (type == GT_IQ4_XS) {
+                const int lo = (src[4 + c / 2] >> (4 * (c % 2))) & 0xf, hi = (rd16(src + 2) >> (2 * c)) & 3;
+                dl = d * (float)((lo | hi << 4) - 32);
+            }
+#if DEQ_TABLES
+            const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(IQ4_VALUES), _mm512_set1_ps(dl));
+            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+            _mm512_storeu_ps(out, _mm512_permutexvar_ps(a, t));  // vpermps reads an index's low 4 bits
+            _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), t));
+#else
+            for (int j = 0; j < 16; j++) {
+                out[j] = dl * IQ4_VALUES[qs[j] & 0xf];
+                out[j + 16] = dl * IQ4_VALUES[qs[j] >> 4];
+            }
+#endif
+        }
+    }
+}
+
 /* fp16 / bf16 (bf: 1) -> float32: exact widening. */
 static void deq_half(const uint8_t *src, int64_t n, float *out, int bf) {
     int64_t i = 0;
@@ -1062,6 +1097,8 @@ static void dequant_span(int type, const uint8_t *row, int64_t k0, int64_t n, fl
     case GT_Q4_0:
     case GT_Q4_1:
     case GT_Q8_0: deq_q32(type, src, n, out); break;
+    case GT_IQ4_NL:
+    case GT_IQ4_XS: deq_iq4(type, src, n, out); break;
 #if HAVE_AVX2
 #define DEQ_RUNS(T)                                                                                          \
     for (int64_t i = 0; i < n / 32; i++) {                                                                   \

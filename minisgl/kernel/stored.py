@@ -28,13 +28,24 @@ STORED_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
     30: ("BF16", 1, 2),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in STORED_TYPES.items()}
 # where a block of each quantized type keeps its fp16 scales (byte offsets; the rest is quants and packed
 # sub-block scales): what a random block (tests, benchmarks) must set to keep its values finite and small
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82)}
-SCALE_OFFSETS |= {"Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS |= {
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+# IQ4_NL / IQ4_XS: each 4-bit index stands for one of these (ggml's kvalues_iq4nl), times the scale
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 STORED_DOTS = ("exact", "int8")  # StoredWeight.dot, set from EngineConfig.stored_dot
 
 
@@ -246,6 +257,17 @@ def _deq_blocks(ggml_type: int, b: torch.Tensor) -> torch.Tensor:
         scales = b[:, 192:208].contiguous().view(torch.int8).float()
         d = _f16(b[:, 208:210]).unsqueeze(1)
         return ((d * scales).unsqueeze(-1) * q).reshape(nb, 256)
+    if ggml_type in (20, 23):  # IQ4_NL, IQ4_XS: nibbles index IQ4_VALUES (a block's first 16, then last 16)
+        qs = b[:, 2:] if ggml_type == 20 else b[:, 8:]
+        q = torch.tensor(IQ4_VALUES, dtype=torch.float32)[_nibbles(qs.reshape(nb, -1, 16)).long()]
+        if ggml_type == 20:
+            return _f16(b[:, 0:2]).unsqueeze(1) * q.reshape(nb, 32)
+        # IQ4_XS: 8 sub-blocks of 32, 6-bit scales (low 4 bits in scales_l's nibbles, high 2 in scales_h) - 32
+        lo = (b[:, 4:8].to(torch.int32).unsqueeze(-1) >> torch.tensor([0, 4])).reshape(nb, 8) & 0xF
+        word = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)  # scales_h, little-endian
+        hi = (word.unsqueeze(-1) >> torch.arange(0, 16, 2)) & 3
+        dl = _f16(b[:, 0:2]).unsqueeze(1) * ((lo | (hi << 4)) - 32).float()
+        return (dl.unsqueeze(-1) * q.reshape(nb, 8, 32)).reshape(nb, 256)
     raise ValueError(f"no reference dequantization for GGML type {ggml_type}")
 
 
