@@ -290,11 +290,13 @@ def test_bf16_model_keeps_a_float32_kv_pool_and_decodes_like_the_torch_backend()
 
 
 @needs_kernels
+@pytest.mark.parametrize("dot", ["exact", "int8"])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_stored_experts_in_one_call_equal_the_reference_loop(tokens):
+def test_stored_experts_in_one_call_equal_the_reference_loop(tokens, dot):
     """A sparse layer's GGUF experts (Q4_K gate, Q8_0 up, Q6_K down) through moe_stored against the
     reference's loop over the experts (kernel/reference.py fused_moe, each expert's stored weights through
-    kernel.linear): the same sums, added in the same expert order; some experts chosen by no token."""
+    kernel.linear): the same sums, added in the same expert order; some experts chosen by no token. int8:
+    both multiply by the int8 dot where it reads the type (the same quantized rows)."""
     E, H, inter, k = 6, 256, 512, 2
     w13, w2 = [], []
     for e in range(E):
@@ -309,6 +311,7 @@ def test_stored_experts_in_one_call_equal_the_reference_loop(tokens):
             )
         w13.append(stored.StoredWeight(parts[:2]))
         w2.append(stored.StoredWeight(parts[2:]))
+        w13[-1].dot = w2[-1].dot = dot
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, H, generator=g)
     ids = torch.randint(0, E - 2, (tokens, k), generator=g, dtype=torch.int32)  # experts 4, 5: none
@@ -317,6 +320,12 @@ def test_stored_experts_in_one_call_equal_the_reference_loop(tokens):
     desc = torch.tensor(
         [[v for p in (*w13[e].parts, *w2[e].parts) for v in (p.ggml_type, p.data.data_ptr(), p.data.stride(0))]
          for e in range(E)], dtype=torch.int64)  # fmt: skip
-    got = cpu_kernels.moe_stored(x, ids, weights, desc, inter)
+    got = cpu_kernels.moe_stored(x, ids, weights, desc, inter, int8=dot == "int8")
     want = ref.fused_moe(x, w13, w2, weights, ids, linear=kernel.linear)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
+    if dot == "int8":  # the switch took effect
+        for w in w13 + w2:
+            w.dot = "exact"
+        assert not torch.allclose(
+            got, ref.fused_moe(x, w13, w2, weights, ids, linear=kernel.linear), atol=1e-4
+        )

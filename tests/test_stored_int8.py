@@ -318,7 +318,7 @@ def _step_logits(engine, step, seqs: torch.Tensor, slot0: int) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not cpu_kernels.decode_step_available(), reason="no AVX2 build of the C kernels")
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
 def test_decode_step_int8_is_close_to_exact(name, tmp_path):
     """Both steps teacher-forced over the same sequences (the engine's LM head multiplies as int8)."""
     from test_gguf_stored import SPECS, write_tiny_gguf
@@ -339,8 +339,11 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
             a = _step_logits(engine, exact, seqs, slot0=0)
             b = _step_logits(engine, int8, seqs, slot0=1000)
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-            # ~1% of the logits (about 10 here): the mean stays put, the minimum falls with more rows
-            assert cos.mean() > 0.9995 and cos.min() > 0.995, (name, B, cos.mean(), cos.min())
+            # ~1% of the logits (about 10 here): the mean stays put, the minimum falls with more rows; with
+            # experts a token whose router's top k flips under the perturbation moves further (one of 40)
+            lo = (0.999, 0.9) if name == "qwen3_moe" else (0.9995, 0.995)
+            assert cos.mean() > lo[0] and cos.min() > lo[1], (name, B, cos.mean(), cos.min())
+            assert (cos > 0.995).float().mean() > 0.95, (name, B, cos)
             assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
         # the LM head: the model's own, its weight's dot int8 in this engine (stored.set_dot): the int8 dot
         # where the head is a type it reads (llama: the tied Q8_0 embedding; qwen3: Q6_K with AVX-512

@@ -7,8 +7,8 @@ small model that was as long as the GEMVs themselves (docs/BENCHMARKS.md). The s
 in the same order inside one parallel region, so it computes what the layers compute; the LM head and
 sampling stay with the engine. A sparse layer routes in C (softmax, top k, renormalised as the reference)
 and runs its stored experts through the same kernel as the layers (moe_stored). Models or settings it does
-not cover (float experts, experts with the int8 dot, tensor parallelism, half precision, another attention
-backend) keep the layer-by-layer path."""
+not cover (float experts, tensor parallelism, half precision, another attention backend) keep the
+layer-by-layer path."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ logger = init_logger(__name__)
 
 _MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
 _LIN_WORDS = 2 + 5 * _MAX_PARTS
-_XGROUP_FLOATS = 84  # four quantized blocks of 32 activations, in floats (sizeof(xgroup) / 4 there at most)
 
 
 class Unsupported(Exception):
@@ -153,12 +152,12 @@ class CpuDecodeStep:
         self.q = attn0.num_heads * cfg.head_dim
         dense = [layer.mlp for layer in inner.layers if not isinstance(layer.mlp, SparseMoeBlock)]
         sparse = [layer.mlp for layer in inner.layers if isinstance(layer.mlp, SparseMoeBlock)]
-        if sparse and int8:
-            raise Unsupported("the int8 dot with experts")  # the layers' reference loop honours it
         self.inter = max((mlp.down_proj.input_shard for mlp in dense), default=0)
         # a sparse layer's scratch a token (floats, int64): router logits, routing, the experts' rows
-        self._moe = [
-            max((m.experts.num_experts + 2 * m.top_k + m.top_k * (2 * cfg.hidden_size + 3 * m.experts.shard)
+        h = cfg.hidden_size
+        self._moe = [  # int8: then room for the experts' rows quantized
+            max((m.experts.num_experts + 2 * m.top_k + m.top_k * (2 * h + 3 * m.experts.shard)
+                 + (m.top_k * cpu_kernels.q8_row_floats(max(h, m.experts.shard)) if int8 else 0)
                  for m in sparse), default=0),
             max((m.top_k for m in sparse), default=0),
             max((m.experts.num_experts + 1 for m in sparse), default=0),
@@ -168,7 +167,7 @@ class CpuDecodeStep:
         model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8), 0, 0]
         # int8: room a row for the widest linear input quantized (groups of up to four blocks of 32)
         widest = max(self.hidden, self.q, self.inter)
-        self._q8_row = (widest + 127) // 128 * _XGROUP_FLOATS if int8 else 0
+        self._q8_row = cpu_kernels.q8_row_floats(widest) if int8 else 0
         self.model_desc = torch.tensor(model_words, dtype=torch.int64)
         self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
         self._scratch = torch.empty(0)

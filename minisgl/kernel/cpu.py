@@ -129,7 +129,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_stored_q8.restype = i32
     lib.stored_type_supported.argtypes = [i32]
     lib.q8_type_supported.argtypes = [i32]
-    lib.moe_stored_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
+    lib.moe_stored_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
     lib.moe_stored_f32.restype = None
     if hasattr(lib, "linear_packed_f32"):  # AVX2 builds only
         lib.pack_weight_f32.argtypes = [ptr, ptr, i64, i64, i32]
@@ -299,22 +299,38 @@ def stored_type_supported(ggml_type: int) -> bool:
     return lib is not None and bool(lib.stored_type_supported(ggml_type))
 
 
+XGROUP_FLOATS = 84  # a group of quantized activations (cpu_kernels.c's xgroup) covers 128 values in 84 floats
+
+
+def q8_row_floats(k: int) -> int:
+    """Room for one row of k activations quantized for the int8 dot, in floats."""
+    return (k + 127) // 128 * XGROUP_FLOATS
+
+
 def moe_stored(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, inter: int
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    inter: int,
+    int8: bool = False,
 ) -> torch.Tensor:
     """A sparse layer's experts as stored, in one call (cpu_kernels.c's moe_stored_f32): x [T, H] float32,
     ids int32 [T, k] (-1: none), weights float32 [T, k], experts int64 [E, 9]: per expert (type, data
     address, row bytes) of its gate [inter, H], up and down [H, inter] rows. Returns [T, H] float32:
-    the routing-weighted sum of each token's experts, added in expert order."""
+    the routing-weighted sum of each token's experts, added in expert order. int8: the types the int8 dot
+    reads multiply by it (llama.cpp's arithmetic, as --stored-dot int8), the rest exactly."""
     T, H = x.shape
     k, E = ids.shape[1], experts.shape[0]
     x, ids, weights = x.contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous()
     out = torch.empty(T, H, dtype=torch.float32)
     scratch = torch.empty(T * k * (2 * H + 3 * inter), dtype=torch.float32)
     order = torch.empty(T * k + E + 1, dtype=torch.int64)
+    qx = torch.empty(T * k * q8_row_floats(max(H, inter)) if int8 else 0, dtype=torch.float32)
     _lib.moe_stored_f32(
         x.data_ptr(), T, H, inter, k, ids.data_ptr(), weights.data_ptr(), experts.data_ptr(), E,
-        out.data_ptr(), scratch.data_ptr(), order.data_ptr(), torch.get_num_threads(),
+        out.data_ptr(), scratch.data_ptr(), order.data_ptr(), qx.data_ptr() if int8 else None,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -1475,89 +1475,6 @@ void linear_stored(const float *x, int64_t ldx, const uint8_t *w, int type, int6
     linear_stored_work(x, ldx, w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
-/* ---- a sparse layer's experts as stored -------------------------------------------------------------------
- * out [T, H] = sum over token t's k choices j of w[t][j] down_e(silu(gate_e(x[t])) * up_e(x[t])), e =
- * ids[t][j] (-1: none): the (token, choice) pairs are grouped by expert, each expert's rows gathered and
- * multiplied by its three stored weights at once (the exact stored GEMM, any rows), and each token's results
- * added in expert order, the reference's (kernel/reference.py fused_moe). experts: E x 9 int64, per expert
- * (type, data, row bytes) of gate [I, H], up [I, H], down [H, I]. scratch: T k (2 H + 3 I) floats, order:
- * T k + E + 1 int64. For the threads of an enclosing parallel region (one groups the pairs). */
-static void moe_stored_work(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t I, int64_t k,
-                            const int32_t *ids, const float *w, const int64_t *experts, int64_t E, float *out,
-                            float *scratch, int64_t *order) {
-    const int64_t P = T * k;
-    int64_t *start = order + P;  // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
-    float *xs = scratch, *gu = xs + P * H, *act = gu + P * 2 * I, *ys = act + P * I;
-#pragma omp single
-    {
-        for (int64_t e = 0; e <= E; e++) start[e] = 0;
-        for (int64_t p = 0; p < P; p++)
-            if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
-        for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-        for (int64_t e = 0; e < E; e++)  // pairs in token order within each expert
-            for (int64_t p = 0, n = start[e]; p < P; p++)
-                if (ids[p] == e) order[n++] = p;
-    }
-    const int64_t used = start[E];
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < used; i++) memcpy(xs + i * H, x + order[i] / k * ldx, H * sizeof(float));
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t n = start[e + 1] - start[e], *d = experts + 9 * e;
-        if (!n) continue;
-        const float *xe = xs + start[e] * H;
-        float *g = gu + start[e] * 2 * I;
-        linear_stored_work(xe, H, (const uint8_t *)d[1], (int)d[0], d[2], 0, g, 2 * I, n, I, H);
-        linear_stored_work(xe, H, (const uint8_t *)d[4], (int)d[3], d[5], 0, g + I, 2 * I, n, I, H);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) silu_row(g + i * 2 * I, g + i * 2 * I + I, act + (start[e] + i) * I, I);
-        linear_stored_work(act + start[e] * I, I, (const uint8_t *)d[7], (int)d[6], d[8], 0, ys + start[e] * H, H,
-                           n, H, I);
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++) {  // each token's choices in expert order, float32 as the reference
-        float *o = out + t * H;
-        for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
-        for (int64_t i = 0; i < used; i++) {
-            if (order[i] / k != t) continue;
-            const float c = w[order[i]], *y = ys + i * H;
-            for (int64_t h = 0; h < H; h++) o[h] += y[h] * c;
-        }
-    }
-}
-
-void moe_stored_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int32_t *ids,
-                    const float *w, const int64_t *experts, int64_t E, float *out, float *scratch, int64_t *order,
-                    int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    moe_stored_work(x, H, T, H, I, k, ids, w, experts, E, out, scratch, order);
-}
-
-#if HAVE_AVX2
-/* Mixture-of-experts routing as kernel/reference.py moe_route, for T rows of logits [T, E] (one thread):
- * softmax in float32, the top k (the larger first; the lower index first among equals), divided by their
- * sum when renormalize. */
-static void moe_route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, int32_t *ids,
-                           float *w) {
-    for (int64_t t = 0; t < T; t++) {
-        const float *l = logits + t * E;
-        float mx = -INFINITY, sum = 0.0f, p[E];
-        for (int64_t e = 0; e < E; e++) mx = l[e] > mx ? l[e] : mx;
-        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(l[e] - mx);
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        float tot = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
-            ids[t * k + j] = (int32_t)best, w[t * k + j] = p[best], tot += p[best];
-            p[best] = -1.0f;
-        }
-        if (renormalize)
-            for (int64_t j = 0; j < k; j++) w[t * k + j] /= tot;
-    }
-}
-#endif
-
 /* ---- the int8-activation dot (opt-in: --stored-dot int8) ------------------------------------------------
  * llama.cpp's arithmetic for Q4_0 / Q4_1 / Q8_0 weights: each block of 32 activations is quantized to int8
  * with one float32 scale d = max|x| / 127 (q = round(x / d), half away from zero) and s = d * sum(q); a
@@ -2199,6 +2116,105 @@ int linear_stored_q8(const float *x, int64_t ldx, const uint8_t *w, int type, in
     return 0;
 }
 
+/* ---- a sparse layer's experts as stored -------------------------------------------------------------------
+ * out [T, H] = sum over token t's k choices j of w[t][j] down_e(silu(gate_e(x[t])) * up_e(x[t])), e =
+ * ids[t][j] (-1: none): the (token, choice) pairs are grouped by expert, each expert's rows gathered and
+ * multiplied by its three stored weights at once (the exact stored GEMM, any rows), and each token's results
+ * added in expert order, the reference's (kernel/reference.py fused_moe). experts: E x 9 int64, per expert
+ * (type, data, row bytes) of gate [I, H], up [I, H], down [H, I]. scratch: T k (2 H + 3 I) floats, order:
+ * T k + E + 1 int64. For the threads of an enclosing parallel region (one groups the pairs). */
+static void moe_stored_work(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t I, int64_t k,
+                            const int32_t *ids, const float *w, const int64_t *experts, int64_t E, float *out,
+                            float *scratch, int64_t *order, xgroup *qx) {
+    const int64_t P = T * k;
+    int64_t *start = order + P;  // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
+    float *xs = scratch, *gu = xs + P * H, *act = gu + P * 2 * I, *ys = act + P * I;
+#pragma omp single
+    {
+        for (int64_t e = 0; e <= E; e++) start[e] = 0;
+        for (int64_t p = 0; p < P; p++)
+            if (ids[p] >= 0 && ids[p] < E) start[ids[p] + 1]++;
+        for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+        for (int64_t e = 0; e < E; e++)  // pairs in token order within each expert
+            for (int64_t p = 0, n = start[e]; p < P; p++)
+                if (ids[p] == e) order[n++] = p;
+    }
+    const int64_t used = start[E], gH = (H / 32 + XB - 1) / XB, gI = (I / 32 + XB - 1) / XB;
+    const int q8 = qx && H % 32 == 0 && I % 32 == 0;  // int8 mode: each expert's rows quantized once
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < used; i++) memcpy(xs + i * H, x + order[i] / k * ldx, H * sizeof(float));
+    if (q8) quant_rows_work(xs, H, used, H, qx);
+#define MOE_LIN(part, xin, ldin, gq, y, ldy, N, K)                                                             \
+    if (q8 && q8_takes((int)d[3 * (part)], n))                                                               \
+        linear_q8_work(qx + start[e] * (gq), (const uint8_t *)d[3 * (part) + 1], (int)d[3 * (part)],          \
+                       d[3 * (part) + 2], 0, y, ldy, n, N, K);                                               \
+    else                                                                                                     \
+        linear_stored_work(xin, ldin, (const uint8_t *)d[3 * (part) + 1], (int)d[3 * (part)], d[3 * (part) + 2], \
+                           0, y, ldy, n, N, K);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e], *d = experts + 9 * e;
+        if (!n) continue;
+        const float *xe = xs + start[e] * H;
+        float *g = gu + start[e] * 2 * I;
+        MOE_LIN(0, xe, H, gH, g, 2 * I, I, H)
+        MOE_LIN(1, xe, H, gH, g + I, 2 * I, I, H)
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) silu_row(g + i * 2 * I, g + i * 2 * I + I, act + (start[e] + i) * I, I);
+    }
+    if (q8) quant_rows_work(act, I, used, I, qx);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e], *d = experts + 9 * e;
+        if (!n) continue;
+        MOE_LIN(2, act + start[e] * I, I, gI, ys + start[e] * H, H, H, I)
+    }
+#undef MOE_LIN
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {  // each token's choices in expert order, float32 as the reference
+        float *o = out + t * H;
+        for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
+        for (int64_t i = 0; i < used; i++) {
+            if (order[i] / k != t) continue;
+            const float c = w[order[i]], *y = ys + i * H;
+            for (int64_t h = 0; h < H; h++) o[h] += y[h] * c;
+        }
+    }
+}
+
+/* qx: NULL for the exact dot, else room for T k rows of max(H, I) quantized (the int8 dot, where q8_takes). */
+void moe_stored_f32(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int32_t *ids,
+                    const float *w, const int64_t *experts, int64_t E, float *out, float *scratch, int64_t *order,
+                    void *qx, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    moe_stored_work(x, H, T, H, I, k, ids, w, experts, E, out, scratch, order, (xgroup *)qx);
+}
+
+#if HAVE_AVX2
+/* Mixture-of-experts routing as kernel/reference.py moe_route, for T rows of logits [T, E] (one thread):
+ * softmax in float32, the top k (the larger first; the lower index first among equals), divided by their
+ * sum when renormalize. */
+static void moe_route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, int32_t *ids,
+                           float *w) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        float mx = -INFINITY, sum = 0.0f, p[E];
+        for (int64_t e = 0; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(l[e] - mx);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float tot = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            ids[t * k + j] = (int32_t)best, w[t * k + j] = p[best], tot += p[best];
+            p[best] = -1.0f;
+        }
+        if (renormalize)
+            for (int64_t j = 0; j < k; j++) w[t * k + j] /= tot;
+    }
+}
+#endif
+
+
 #if HAVE_AVX2
 /* ---- the decode step: every layer of a dense Llama-family model in one call ------------------------------
  * One parallel region for the whole step instead of a dozen Python-dispatched calls per layer (their
@@ -2306,8 +2322,10 @@ void decode_step_f32(const int64_t *m, const int64_t *layers, const int64_t *ids
                 lin_run(mo, nrm, H, logits, E, B, H, 0);
 #pragma omp single
                 moe_route_rows(logits, B, E, k, (int)mo[LIN_WORDS + 2], eids, wts);
-                moe_stored_work(nrm, H, B, H, mo[LIN_WORDS + 4], k, eids, wts, (const int64_t *)mo[LIN_WORDS + 3], E,
-                                x, (float *)(eids + B * k), (int64_t *)m[17]);
+                float *ms = (float *)(eids + B * k);  // then the experts' rows, and in int8 mode their quants
+                const int64_t Im = mo[LIN_WORDS + 4];
+                moe_stored_work(nrm, H, B, H, Im, k, eids, wts, (const int64_t *)mo[LIN_WORDS + 3], E, x, ms,
+                                (int64_t *)m[17], m[15] ? (xgroup *)(ms + B * k * (2 * H + 3 * Im)) : 0);
                 continue;
             }
             lin_run(ly + 6 + 2 * LIN_WORDS, nrm, H, gu, 2 * I, B, H, qx);

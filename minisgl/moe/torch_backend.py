@@ -26,8 +26,9 @@ class TorchMoEBackend(MoEBackend):
     ) -> torch.Tensor:
         if experts.stored is not None:  # GGUF experts as stored
             w13, w2 = experts.stored
-            if experts.stored_desc is not None and x.dtype == torch.float32 and w13[0].dot == "exact":
+            if experts.stored_desc is not None and x.dtype == torch.float32:
                 # every chosen expert of every token in one C call
-                return cpu.moe_stored(x, topk_ids, topk_weights, experts.stored_desc, experts.shard)
+                int8 = w13[0].dot == "int8"
+                return cpu.moe_stored(x, topk_ids, topk_weights, experts.stored_desc, experts.shard, int8)
             return ref.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=kernel.linear)
         return ref.fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids, experts.expert_start)
