@@ -301,10 +301,12 @@ def test_the_prompt_tokenizer_turns_every_failure_into_that_requests_error(monke
     pt.mgr = type("M", (), {"tokenize": staticmethod(lambda msg: msg.input_ids)})()
     for ids, param in (([5, 2**40], "prompt"), ([5, 100], "prompt"), ([], "prompt")):
         pt.handle(TokenizeMsg(7, SamplingParams(), input_ids=ids))
-        (error,) = pt.send_detokenizer.items.pop().msgs
+        batch = pt.send_detokenizer.items.pop()
+        assert len(batch) == 1
+        error = batch.row(0)
         assert error.uid == 7 and error.finish_reason == "error" and error.error_param == param
     pt.handle(TokenizeMsg(8, SamplingParams(stop_token_ids=[100]), input_ids=[5]))
-    assert pt.send_detokenizer.items.pop().msgs[0].error_param == "stop_token_ids"
+    assert pt.send_detokenizer.items.pop().row(0).error_param == "stop_token_ids"
     assert not pt.send_backend.items  # nothing reached the scheduler
     pt.handle(TokenizeMsg(9, SamplingParams(), input_ids=[5, 99]))
     assert pt.send_backend.items[0].input_ids.tolist() == [5, 99]

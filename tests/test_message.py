@@ -17,11 +17,11 @@ from minisgl.core import SamplingParams
 from minisgl.message import (
     AbortMsg,
     BatchBackendMsg,
-    BatchDetokenizeMsg,
-    BatchFrontendMsg,
     DetokenizeMsg,
     DetokenizeStartMsg,
+    ReplyBatch,
     StatsMsg,
+    TokenBatch,
     TokenizeMsg,
     TokenLogprob,
     UserMsg,
@@ -68,7 +68,7 @@ def test_every_message_type_round_trips_with_its_fields():
         DetokenizeStartMsg(
             uid=7, prompt_len=10, prompt_tail=[1, 2], stop=["x"], stop_token_ids=[3], logprobs=True
         ),
-        BatchDetokenizeMsg(
+        TokenBatch.of(
             [
                 DetokenizeMsg(8, 42, True, "length", -0.5, [(42, -0.5), (7, -1.25)]),
                 DetokenizeMsg(
@@ -77,7 +77,7 @@ def test_every_message_type_round_trips_with_its_fields():
             ]
         ),
         StatsMsg({"num_running": 3, "kv_used_pages": 10.5}),
-        BatchFrontendMsg(
+        ReplyBatch.of(
             [
                 UserReply(
                     10,
@@ -101,13 +101,14 @@ def test_every_message_type_round_trips_with_its_fields():
         elif isinstance(msg, BatchBackendMsg):
             assert isinstance(back.msgs[0], AbortMsg) and back.msgs[0].uid == 5
             assert isinstance(back.msgs[1], UserMsg) and back.msgs[1].input_ids.tolist() == [1]
-        elif isinstance(msg, BatchDetokenizeMsg):
-            assert back.msgs[0].top_logprobs == [[42, -0.5], [7, -1.25]]  # tuples travel as lists
-            assert back.msgs[1] == msg.msgs[1]
-        elif isinstance(msg, BatchFrontendMsg):
-            lp = back.replies[0].logprobs[0]
+        elif isinstance(msg, TokenBatch):
+            assert back.row(0).top_logprobs == [[42, -0.5], [7, -1.25]]  # tuples travel as lists
+            assert back.row(0).finished and back.row(0).finish_reason == "length"
+            assert back.row(1) == msg.row(1)
+        elif isinstance(msg, ReplyBatch):
+            lp = back.replies()[0].logprobs[0]
             assert isinstance(lp, TokenLogprob) and lp.top == [["Paris", 3, -0.1]]
-            assert back.replies[0].text == "Paris" and back.replies[0].finish_reason == "stop"
+            assert back.replies()[0].text == "Paris" and back.replies()[0].finish_reason == "stop"
         else:
             assert back == msg
 
@@ -167,9 +168,9 @@ def test_async_queues_round_trip(ipc_addr):
         pull = zmq_queue.ZmqAsyncPullQueue(addr, create=True, decoder=loads)
         push = zmq_queue.ZmqAsyncPushQueue(addr, create=False, encoder=dumps)
         try:
-            await push.put(UserReply(1, "a"))
-            push.put_nowait(UserReply(2, "b"))
-            got = [await asyncio.wait_for(pull.get(), 5) for _ in range(2)]
+            await push.put(ReplyBatch.of([UserReply(1, "a")]))
+            push.put_nowait(ReplyBatch.of([UserReply(2, "b")]))
+            got = [(await asyncio.wait_for(pull.get(), 5)).replies()[0] for _ in range(2)]
             assert [(r.uid, r.text) for r in got] == [(1, "a"), (2, "b")]
         finally:
             push.stop()

@@ -15,6 +15,8 @@ output length; throughput = output tokens / wall time of the generate call, afte
   w2  1 request, 128 prompt tokens, 256 output tokens (GPU single-request latency)
   w3  32 requests, prompts and outputs of 32..256 tokens (CPU offline throughput)
   shared-prefix  64 requests = one common 512-token system prompt + 16..64 own tokens, 32 output tokens each
+  w6a, w6b  the online workloads' requests, run offline (the service's ceiling on the same requests):
+      W4's chat prompts through the model's chat template, 1024 x 512 output tokens (w6a), 16 x 256 (w6b)
 --constrained-fraction F gives that fraction of the requests (spread evenly) the fixed JSON schema
 BENCH_SCHEMA; such a request ends when its JSON is complete, so it may produce fewer tokens than its
 length, and throughput counts the tokens generated (the unconstrained ones' own rate is printed too).
@@ -92,8 +94,29 @@ def shared_prefix_workload(n: int = 64, prefix_len: int = 512, seed: int = 0) ->
     return Workload(f"shared-prefix ({n} x {prefix_len}-token system prompt)", prompts, [32] * n)
 
 
-def get_workload(name: str, num_requests: int | None = None) -> Workload:
-    if name == "w1":
+def chat_workload(name: str, model_path: str, n: int, output_len: int) -> Workload:
+    """The online benchmark's chat requests (benchmark.online's W4 prompts), tokenized as the service
+    does: through the model's chat template."""
+    from minisgl.benchmark.online import w4_prompts
+    from minisgl.utils.hf import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for p in w4_prompts(n)
+    ]
+    return Workload(name, prompts, [output_len] * n)
+
+
+def get_workload(name: str, num_requests: int | None = None, model_path: str | None = None) -> Workload:
+    if name in ("w6a", "w6b"):
+        assert model_path is not None, "the w6 workloads need the model's tokenizer (--model)"
+        n, out = (1024, 512) if name == "w6a" else (16, 256)
+        w = chat_workload(name.upper(), model_path, n, out)
+    elif name == "w1":
         w = make_workload(256, 100, 1024, name="W1")
     elif name == "w2":
         rng = random.Random(0)
@@ -228,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minisgl.utils import options
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="w3", choices=["w1", "w2", "w3", "shared-prefix"])
+    ap.add_argument("--workload", default="w3", choices=["w1", "w2", "w3", "w6a", "w6b", "shared-prefix"])
     ap.add_argument(
         "--num-requests", type=int, default=None, help="only the first N requests of the workload"
     )
@@ -273,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0.0 <= args.constrained_fraction <= 1.0:
         ap.error("--constrained-fraction must be in [0, 1]")
     configs = runs(args, ap)
-    workload = get_workload(args.workload, args.num_requests)
+    workload = get_workload(args.workload, args.num_requests, resolve_model(configs[0].get("model_path")))
     try:  # a bad sampling flag fails before any engine is built
         request_params(args, workload)[0].validate()
     except ValueError as e:

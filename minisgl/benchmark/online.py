@@ -10,6 +10,11 @@ gaps between streamed chunks (ITL), the time per output token after the first (T
 latency, and reports mean / p50 / p90 / p99 of each plus the output throughput over the whole run.
 Output tokens come from the server's usage (stream_options.include_usage) when it sends one, else from
 counting content chunks.
+
+One client process reads at most some 20,000 streamed tokens a second: `--processes N` spreads the requests
+over N processes (each with its share of the concurrency or of the arrival rate, all starting at one
+moment), and the report gives each process's CPU use, so a run shows whether the client was the limit
+(doubling N must not raise the throughput).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import multiprocessing as mp
 import os
 import random
 import statistics
@@ -145,53 +152,108 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(v), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def _client(args: argparse.Namespace) -> Any:
     import httpx
-    from tqdm import tqdm
 
-    base = args.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64) + 8, max_keepalive_connections=64)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as http:
+    return httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers)
+
+
+async def _prepare(args: argparse.Namespace) -> str:
+    """The model name (asked from the server unless given), after the warm-up requests."""
+    base = args.base_url.rstrip("/")
+    async with _client(args) as http:
         model = args.model
         if model is None:
             model = (await http.get(f"{base}/models")).json()["data"][0]["id"]
-        url = f"{base}/chat/completions"
         for i in range(args.warmup):  # excluded from the figures
-            res = await _one(http, url, model, f"Warm-up request {i}.", args)
+            res = await _one(http, f"{base}/chat/completions", model, f"Warm-up request {i}.", args)
             if not res.ok and args.include_usage and res.error.startswith(("HTTP 400", "HTTP 422")):
                 print(
                     "note: the server refused stream_options; counting content chunks instead",
                     file=sys.stderr,
                 )
                 args.include_usage = False
-                await _one(http, url, model, f"Warm-up request {i}.", args)
+                await _one(http, f"{base}/chat/completions", model, f"Warm-up request {i}.", args)
+    return model
 
-        prompts = w4_prompts(args.num_requests)
-        under = constrained_rows(len(prompts), args.constrained_fraction)
-        results: list[RequestResult] = [RequestResult() for _ in prompts]
-        bar = tqdm(total=len(prompts), desc="requests", file=sys.stderr)
+
+async def _measure(
+    args: argparse.Namespace, model: str, rows: list[int], start: float, progress: Any = None
+) -> tuple[dict[int, RequestResult], float, float]:
+    """Send requests `rows` (request i leaves at `start` + its Poisson delay, on the wall clock shared
+    by the processes), `args.concurrency` at a time; returns their results, the time the last ended and
+    this process's CPU seconds over the run."""
+    url = f"{args.base_url.rstrip('/')}/chat/completions"
+    prompts = w4_prompts(args.num_requests)
+    under = constrained_rows(len(prompts), args.constrained_fraction)
+    delays = [0.0] * len(prompts)
+    if args.request_rate:  # Poisson arrivals: exponential gaps
+        rng, t = random.Random(args.seed), 0.0
+        for i in range(len(prompts)):
+            delays[i] = t
+            t += rng.expovariate(args.request_rate)
+    results: dict[int, RequestResult] = {}
+    async with _client(args) as http:
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
-        async def task(i: int, delay: float) -> None:
-            await asyncio.sleep(delay)
+        async def task(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + delays[i] - time.time()))
             if gate is None:
                 results[i] = await _one(http, url, model, prompts[i], args, under[i])
             else:
                 async with gate:
                     results[i] = await _one(http, url, model, prompts[i], args, under[i])
-            bar.update(1)
+            if progress is not None:
+                progress.update(1)
 
-        delays = [0.0] * len(prompts)
-        if args.request_rate:  # Poisson arrivals: exponential gaps
-            rng, t = random.Random(args.seed), 0.0
-            for i in range(len(prompts)):
-                delays[i] = t
-                t += rng.expovariate(args.request_rate)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(task(i, d) for i, d in enumerate(delays)))
-        wall = time.perf_counter() - t0
+        await asyncio.sleep(max(0.0, start - time.time()))
+        cpu = time.process_time()
+        await asyncio.gather(*(task(i) for i in rows))
+        return results, time.time(), time.process_time() - cpu
+
+
+def _process_main(args: argparse.Namespace, model: str, rows: list[int], start: float, out: Any) -> None:
+    out.put(asyncio.run(_measure(args, model, rows, start)))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    base = args.base_url.rstrip("/")
+    model = await _prepare(args)
+    n = args.processes
+    prompts = w4_prompts(args.num_requests)
+    results: list[RequestResult] = [RequestResult() for _ in prompts]
+    if n == 1:
+        start = time.time()
+        bar = tqdm(total=len(prompts), desc="requests", file=sys.stderr)
+        parts = [await _measure(args, model, list(range(len(prompts))), start, bar)]
         bar.close()
+    else:  # each process takes every n-th request and its share of the concurrency
+        ctx = mp.get_context("spawn")
+        share = argparse.Namespace(**vars(args))
+        share.concurrency = math.ceil(args.concurrency / n) if args.concurrency else None
+        out = ctx.Queue()
+        start = time.time() + 3.0  # the processes import and connect first
+        procs = [
+            ctx.Process(
+                target=_process_main, args=(share, model, list(range(k, len(prompts), n)), start, out)
+            )
+            for k in range(n)
+        ]
+        for proc in procs:
+            proc.start()
+        print(f"{n} client processes, {len(prompts)} requests", file=sys.stderr)
+        parts = [out.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+    for part, _, _ in parts:
+        for i, res in part.items():
+            results[i] = res
+    wall = max(end for _, end, _ in parts) - start
+    client_cpu = [cpu / wall for _, _, cpu in parts]
 
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -206,6 +268,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
+        "client_processes": n,
+        "client_cpu_per_process": client_cpu,  # CPU seconds / wall seconds: 1.0 is a full core
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "duration_s": wall,
@@ -255,6 +319,8 @@ def print_report(rep: dict[str, Any]) -> None:
         f"  output throughput {rep['output_throughput_tok_s']:.1f} tok/s, "
         f"{rep['request_throughput_req_s']:.2f} req/s"
     )
+    cpu = ", ".join(f"{c:.0%}" for c in rep["client_cpu_per_process"])
+    print(f"  client: {rep['client_processes']} process(es), CPU {cpu} of a core each")
     print(f"  {'(ms)':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = rep[f"{key}_ms"]
@@ -305,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="requests sent first and not measured")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="client processes sharing the requests (one process reads ~20,000 streamed tok/s at most)",
+    )
     p.add_argument("--output-json", default=None, help="also write the report here")
     p.add_argument(
         "--save-requests", action="store_true", help="include every request's measurements in the JSON"
@@ -316,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         args.request_rate is not None and args.request_rate <= 0
     ):
         p.error("--concurrency must be >= 1 and --request-rate > 0")
+    if args.processes < 1:
+        p.error("--processes must be >= 1")
     report = asyncio.run(run(args))
     print_report(report)
     if args.output_json:

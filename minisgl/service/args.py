@@ -34,6 +34,12 @@ class ServerArgs(SchedulerConfig):
     num_tokenizer: int = option(
         0, help="0: one process tokenizes and detokenizes; N: N tokenizers + 1 detokenizer", min=0
     )
+    stream_interval: int = option(
+        1,
+        help="a stream sends a request's new text with its first token, then every N tokens and at its "
+        "end (SGLang's option): fewer, larger chunks for many streams",
+        min=1,
+    )
     max_request_bytes: int = option(8 << 20, help="larger request bodies get HTTP 400", min=1)
     max_sequences_per_request: int = option(
         256, help="the most sequences (prompts x n) one request may ask for; more get HTTP 400", min=1

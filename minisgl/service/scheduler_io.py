@@ -24,15 +24,15 @@ from minisgl.message import (
     AbortMsg,
     BackendMsg,
     BatchBackendMsg,
-    BatchDetokenizeMsg,
     DetokenizeMsg,
     FlushCacheMsg,
     StatsMsg,
+    TokenBatch,
     UserMsg,
     dumps,
     loads,
 )
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, StepOutput
 from minisgl.utils import init_logger
 
 from .zmq_queue import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
@@ -81,7 +81,7 @@ class SchedulerIO:
             self.sub = ZmqSubQueue(broadcast_addr if same_node else remote, decoder=loads)
         self.live: set[int] = set()  # uids added and not finished
         self.early_aborts: dict[int, float] = {}  # aborts that arrived before their request
-        self.outbox: list[DetokenizeMsg] = []  # replies produced outside step(): errors, aborts
+        self.outbox = TokenBatch()  # rows produced outside step(): errors, aborts
         self.idle_checked = True
         self.last_stats = 0.0
         self.counters = {
@@ -105,27 +105,15 @@ class SchedulerIO:
     def run_once(self) -> None:
         for msg in self._receive(blocking=not self.scheduler.has_work):
             self._apply(msg)
-        outputs: list[DetokenizeMsg] = []
+        batch, self.outbox = self.outbox, TokenBatch()
         if self.scheduler.has_work:
             self.idle_checked = False
             for out in self.scheduler.step():
                 if out.finished:
                     self.live.discard(out.uid)
-                outputs.append(
-                    DetokenizeMsg(
-                        out.uid,
-                        out.token_id,
-                        out.finished,
-                        out.finish_reason,
-                        out.logprob,
-                        out.top_logprobs,
-                        cached_tokens=out.cached_tokens,
-                        error=out.error,
-                    )
-                )
-        outputs, self.outbox = self.outbox + outputs, []
-        if self.send is not None and outputs:
-            self.send.put(BatchDetokenizeMsg(outputs))
+                _append(batch, out)
+        if self.send is not None and len(batch):
+            self.send.put(batch)  # one message per step, whatever the batch size
         if not self.scheduler.has_work and not self.idle_checked:
             self.idle_checked = True
             self._check_integrity()
@@ -169,13 +157,13 @@ class SchedulerIO:
             uid = getattr(msg, "uid", None)
             if isinstance(uid, int) and uid not in self.live:
                 error = f"the request failed in the scheduler: {type(e).__name__}: {e}"
-                self.outbox.append(
+                self.outbox.add(
                     DetokenizeMsg(uid, finished=True, finish_reason=FinishReason.ERROR, error=error)
                 )
 
     def _add(self, msg: UserMsg) -> None:
         if self.early_aborts.pop(msg.uid, None) is not None:  # its client is already gone
-            self.outbox.append(DetokenizeMsg(msg.uid, finished=True, finish_reason=FinishReason.ABORT))
+            self.outbox.add(DetokenizeMsg(msg.uid, finished=True, finish_reason=FinishReason.ABORT))
             return
         try:
             self._admit(msg)
@@ -185,7 +173,7 @@ class SchedulerIO:
             error = DetokenizeMsg(
                 msg.uid, finished=True, finish_reason=FinishReason.ERROR, error=str(e), error_param=param
             )
-            self.outbox.append(error)
+            self.outbox.add(error)
             return
         self.live.add(msg.uid)
 
@@ -207,7 +195,7 @@ class SchedulerIO:
             self.scheduler.abort_request(uid)
             self.counters["aborted_requests"] += 1
             # the detokenizer frees its state for this uid on a finished message
-            self.outbox.append(DetokenizeMsg(uid, finished=True, finish_reason=FinishReason.ABORT))
+            self.outbox.add(DetokenizeMsg(uid, finished=True, finish_reason=FinishReason.ABORT))
             return
         now = time.monotonic()  # finished already, or its request is still on the way
         self.early_aborts[uid] = now
@@ -251,3 +239,18 @@ class SchedulerIO:
         for q in (self.recv, self.send, self.sub):
             if q is not None:
                 q.stop()
+
+
+def _append(batch: TokenBatch, out: StepOutput) -> None:
+    """One step output as a row of the batch's columns (no object per token on the way out)."""
+    i = len(batch.uids)
+    batch.uids.append(out.uid)
+    batch.token_ids.append(out.token_id)
+    if out.finished:
+        batch.finish[i] = out.finish_reason or ""
+    if out.logprob is not None:
+        batch.logprobs[i] = (out.logprob, out.top_logprobs)
+    if out.cached_tokens:
+        batch.cached_tokens[i] = out.cached_tokens
+    if out.error is not None:
+        batch.errors[i] = (out.error, None)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from minisgl.core import SamplingParams
-from minisgl.message import AbortMsg, BatchFrontendMsg, TokenizeMsg, UserReply, dumps, loads
+from minisgl.message import AbortMsg, ReplyBatch, TokenizeMsg, UserReply, dumps, loads
 
 from .zmq_queue import ZmqPullQueue, ZmqPushQueue
 
@@ -35,6 +36,7 @@ class ChatSession:
         self.write = write
         self.history: list[dict[str, str]] = []
         self.uids = itertools.count()
+        self.pending: deque[UserReply] = deque()  # replies received, not yet read
 
     def reset(self) -> None:
         self.history.clear()
@@ -65,12 +67,16 @@ class ChatSession:
         return answer
 
     def _next(self, uid: int) -> UserReply:
+        """The next reply of `uid` (a batch may hold several); replies of an interrupted earlier turn
+        are dropped."""
         while True:
+            while self.pending:
+                reply = self.pending.popleft()
+                if reply.uid == uid:
+                    return reply
             msg = self.recv.get()
-            if isinstance(msg, BatchFrontendMsg):
-                for reply in msg.replies:
-                    if reply.uid == uid:  # replies of an interrupted earlier turn are dropped
-                        return reply
+            if isinstance(msg, ReplyBatch):
+                self.pending.extend(msg.replies())
 
     def stop(self) -> None:
         self.send.stop()

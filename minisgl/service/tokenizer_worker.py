@@ -26,12 +26,12 @@ from minisgl.core import FinishReason, InvalidRequest
 from minisgl.grammar import check_grammar
 from minisgl.message import (
     AbortMsg,
-    BatchDetokenizeMsg,
-    BatchFrontendMsg,
     DetokenizeMsg,
     DetokenizeStartMsg,
     FlushCacheMsg,
+    ReplyBatch,
     StatsMsg,
+    TokenBatch,
     TokenizeMsg,
     UserMsg,
     UserReply,
@@ -86,7 +86,7 @@ class PromptTokenizer:
             error = DetokenizeMsg(
                 msg.uid, finished=True, finish_reason=FinishReason.ERROR, error=text, error_param=param
             )
-            self.send_detokenizer.put(BatchDetokenizeMsg([error]))
+            self.send_detokenizer.put(TokenBatch.of([error]))
 
     def _ids(self, msg: TokenizeMsg) -> list[int]:
         key = (msg.text, msg.messages, msg.input_ids, msg.tools)
@@ -159,10 +159,11 @@ class TokenizerWorker:
         frontend_addr: str | None,
         detokenizer_addr: str | None,
         vocab_size: int = INT32_MAX,
+        stream_interval: int = 1,
     ) -> None:
         assert role in ROLES, role
         self.role = role
-        self.detokenize_mgr = DetokenizeManager(tokenizer)
+        self.detokenize_mgr = DetokenizeManager(tokenizer, stream_interval)
         self.recv: ZmqPullQueue[Any] = ZmqPullQueue(recv_addr, create=recv_create, decoder=loads)
         self.send_backend: ZmqPushQueue[Any] = ZmqPushQueue(backend_addr, create=False, encoder=dumps)
         self.send_frontend: ZmqPushQueue[Any] | None = None
@@ -196,17 +197,19 @@ class TokenizerWorker:
         self.handle([m for m in msgs if m is not None])
 
     def handle(self, msgs: list[Any]) -> None:
-        replies: list[UserReply] = []
+        """Handle every message; the replies of all of them go out as one ReplyBatch."""
+        out = ReplyBatch()
         for msg in msgs:
             try:
-                replies += self._handle_one(msg)
+                self._handle_one(msg, out)
             except Exception as e:  # noqa: BLE001 - one message must not take the worker down (logged)
-                replies += self._failed(msg, e)
-        if replies:
+                for reply in self._failed(msg, e):
+                    out.add(reply)
+        if len(out):
             assert self.send_frontend is not None
-            self.send_frontend.put(BatchFrontendMsg(replies))
+            self.send_frontend.put(out)
 
-    def _handle_one(self, msg: Any) -> list[UserReply]:
+    def _handle_one(self, msg: Any, out: ReplyBatch) -> None:
         if isinstance(msg, TokenizeMsg):
             if self.thread is not None:
                 self.thread.put(msg)
@@ -216,21 +219,25 @@ class TokenizerWorker:
         elif isinstance(msg, (AbortMsg, FlushCacheMsg)):
             self.send_backend.put(msg)
         elif isinstance(msg, DetokenizeStartMsg):
-            return self._detokenize_start(msg)
-        elif isinstance(msg, BatchDetokenizeMsg):
-            return self._detokenize(msg.msgs)
+            replies, stopped = self.detokenize_mgr.start(msg)
+            for reply in replies:
+                out.add(reply)
+            self._abort_stopped(stopped)
+        elif isinstance(msg, TokenBatch):
+            replies, stopped = self.detokenize_mgr.feed_batch(msg)
+            out.extend(replies)
+            self._abort_stopped(stopped)
         elif isinstance(msg, StatsMsg):
             assert self.send_frontend is not None
             self.send_frontend.put(msg)
         else:
             raise TypeError(f"the {self.role} worker cannot handle {type(msg).__name__}")
-        return []
 
     def _failed(self, msg: Any, e: Exception) -> list[UserReply]:
         """The error replies for the requests `msg` belongs to; each of them is aborted."""
         logger.exception(f"the {self.role} worker failed on a {type(msg).__name__}")
         text = f"the request failed in the {self.role} worker: {type(e).__name__}: {e}"
-        uids = [m.uid for m in msg.msgs] if isinstance(msg, BatchDetokenizeMsg) else []
+        uids = list(msg.uids) if isinstance(msg, TokenBatch) else []
         uids += [msg.uid] if isinstance(msg, (DetokenizeStartMsg, TokenizeMsg)) else []
         replies = []
         for uid in dict.fromkeys(uids):
@@ -238,16 +245,6 @@ class TokenizerWorker:
             self.send_backend.put(AbortMsg(uid))
             replies.append(UserReply(uid, finished=True, finish_reason=FinishReason.ERROR, error=text))
         return replies if self.send_frontend is not None else []
-
-    def _detokenize_start(self, msg: DetokenizeStartMsg) -> list[UserReply]:
-        replies, stopped = self.detokenize_mgr.start(msg)
-        self._abort_stopped(stopped)
-        return replies
-
-    def _detokenize(self, msgs: list[DetokenizeMsg]) -> list[UserReply]:
-        replies, stopped = self.detokenize_mgr.feed(msgs)
-        self._abort_stopped(stopped)
-        return replies
 
     def _abort_stopped(self, uids: list[int]) -> None:
         for uid in uids:  # a stop string ended these: the scheduler stops generating for them
@@ -274,6 +271,7 @@ def tokenize_worker(
     backend_addr: str,
     frontend_addr: str | None = None,
     detokenizer_addr: str | None = None,
+    stream_interval: int = 1,
     ack_queue: Any = None,
 ) -> None:
     """Process entry: load the tokenizer, connect, report ready, then serve until killed."""
@@ -282,7 +280,15 @@ def tokenize_worker(
     tokenizer = load_tokenizer(tokenizer_path)
     vocab = model_vocab_size(tokenizer_path, tokenizer)
     worker = TokenizerWorker(
-        role, tokenizer, recv_addr, recv_create, backend_addr, frontend_addr, detokenizer_addr, vocab
+        role,
+        tokenizer,
+        recv_addr,
+        recv_create,
+        backend_addr,
+        frontend_addr,
+        detokenizer_addr,
+        vocab,
+        stream_interval,
     )
     logger.info(f"{worker_name} ready ({role})")
     if ack_queue is not None:

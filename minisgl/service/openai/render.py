@@ -3,11 +3,12 @@ chunks or as one JSON body, and the OpenAI logprob shapes."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import orjson
 
 from minisgl.message import TokenLogprob, UserReply
 
@@ -16,8 +17,9 @@ from .tool_parser import CallArgs, CallStart, Event, Text, ToolCallParser, ToolF
 
 
 def sse(obj: Any) -> bytes:
-    """One server-sent event."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+    """One server-sent event (orjson: several times faster than json on the per-token path; it writes
+    UTF-8 as is, as json.dumps(ensure_ascii=False) does, and a non-finite float as null)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -160,27 +160,33 @@ class OpenAIServer:
         """SSE frames; if the client disconnects, starlette cancels this generator and `finally` aborts."""
         r = job.renderer
         try:
-            for chunk in r.stream_start(gen):
-                yield chunk
-            item: tuple[ChoiceState, UserReply] | None = first
+            chunks = list(r.stream_start(gen))
+            items = [first]
             sent: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
-            while item is not None:
-                c, reply = item
-                if reply.error is not None:  # one prompt of several was rejected
-                    name = job.names.of(reply.error_param)
-                    yield sse(error_object(reply.error, name, "invalid_value"))
+            failed = False
+            while True:  # everything that arrived since the last write goes out as one write
+                for c, reply in items:
+                    if reply.error is not None:  # one prompt of several was rejected
+                        name = job.names.of(reply.error_param)
+                        chunks.append(sse(error_object(reply.error, name, "invalid_value")))
+                        failed = True
+                        break
+                    chunk = r.stream_delta(c, reply, sent.get(c.index, 0))
+                    if chunk is not None:
+                        chunks.append(chunk)
+                    sent[c.index] = sent.get(c.index, 0) + len(reply.text)
+                    if reply.finished and (end := r.stream_finish(c)) is not None:
+                        chunks.append(end)
+                if failed or gen.done:
                     break
-                chunk = r.stream_delta(c, reply, sent.get(c.index, 0))
-                if chunk is not None:
-                    yield chunk
-                sent[c.index] = sent.get(c.index, 0) + len(reply.text)
-                if reply.finished and (end := r.stream_finish(c)) is not None:
-                    yield end
-                item = None if gen.done else await gen.next()
-            else:
-                if (usage := r.stream_usage(gen)) is not None:
-                    yield usage
-            yield SSE_DONE
+                if chunks:
+                    yield b"".join(chunks)
+                    chunks = []
+                items = await gen.drain()
+            if not failed and (usage := r.stream_usage(gen)) is not None:
+                chunks.append(usage)
+            chunks.append(SSE_DONE)
+            yield b"".join(chunks)
         except Exception:  # a bug while streaming: the status is sent already, so the error is an event
             logger.exception("error while streaming a response")
             yield sse(error_object(SERVER_ERROR, None, None, "server_error"))

@@ -1,7 +1,8 @@
 """The API server's side of ZMQ: requests out, and every reply routed by uid to the request that owns it.
 
-Each HTTP request gets one uid per choice (prompt x n); a single background task routes every reply from the
-detokenizer to the asyncio.Queue of the request that owns the uid. A client that goes away gets its
+Each HTTP request gets one uid per choice (prompt x n); a single background task routes every row of each
+ReplyBatch from the detokenizer to the Generation that owns the uid, whose handler takes everything that
+arrived since it last looked in one go (a stream writes it as one chunk). A client that goes away gets its
 unfinished uids aborted, which frees their slots and KV.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +19,8 @@ from fastapi import Request
 
 from minisgl.message import (
     AbortMsg,
-    BatchFrontendMsg,
     FlushCacheMsg,
+    ReplyBatch,
     StatsMsg,
     TokenizeMsg,
     TokenLogprob,
@@ -49,7 +51,7 @@ class FrontendManager:
         self.recv: ZmqAsyncPullQueue[Any] = ZmqAsyncPullQueue(args.frontend_addr, create=True, decoder=loads)
         self.args = args
         self.uids = itertools.count()
-        self.queues: dict[int, asyncio.Queue[UserReply]] = {}
+        self.queues: dict[int, Generation] = {}  # uid -> the request it belongs to
         self.metrics = Metrics(args.page_size)
         self.stats: dict[str, float] = {}
         self._listener: asyncio.Task[None] | None = None
@@ -65,15 +67,16 @@ class FrontendManager:
                 self.stats = msg.stats
                 self.metrics.update(msg.stats)
                 continue
-            assert isinstance(msg, BatchFrontendMsg), type(msg).__name__
-            for reply in msg.replies:
-                queue = self.queues.get(reply.uid)
-                if queue is not None:  # else: finished or aborted already
-                    queue.put_nowait(reply)
+            assert isinstance(msg, ReplyBatch), type(msg).__name__
+            queues = self.queues
+            for reply in msg.replies():
+                gen = queues.get(reply.uid)
+                if gen is not None:  # else: finished or aborted already
+                    gen.push(reply)
 
-    def register(self, queue: asyncio.Queue[UserReply]) -> int:
+    def register(self, gen: Generation) -> int:
         uid = next(self.uids)
-        self.queues[uid] = queue
+        self.queues[uid] = gen
         return uid
 
     def unregister(self, uid: int) -> None:
@@ -135,8 +138,9 @@ class Generation:
     def __init__(self, frontend: FrontendManager, prompt_index: list[int]) -> None:
         self.frontend = frontend
         self.metrics = frontend.metrics
-        self.queue: asyncio.Queue[UserReply] = asyncio.Queue()
-        self.choices = [ChoiceState(i, frontend.register(self.queue), p) for i, p in enumerate(prompt_index)]
+        self.inbox: deque[UserReply] = deque()  # replies routed here, not yet taken
+        self.arrived = asyncio.Event()
+        self.choices = [ChoiceState(i, frontend.register(self), p) for i, p in enumerate(prompt_index)]
         self.by_uid = {c.uid: c for c in self.choices}
         self.unfinished = set(self.by_uid)
         self.start = time.perf_counter()
@@ -146,24 +150,46 @@ class Generation:
     def done(self) -> bool:
         return not self.unfinished
 
-    async def next(self, request: Request | None = None) -> tuple[ChoiceState, UserReply]:
-        """The next reply of any choice. With `request`, checks for a disconnect every half second
-        (a non-streaming handler is not cancelled when its client goes away)."""
-        while True:
+    def push(self, reply: UserReply) -> None:
+        """A reply for one of this request's uids (the FrontendManager's listener calls it)."""
+        self.inbox.append(reply)
+        self.arrived.set()
+
+    async def _wait(self, request: Request | None) -> None:
+        """Until a reply is there. With `request`, checks for a disconnect every half second (a
+        non-streaming handler is not cancelled when its client goes away)."""
+        while not self.inbox:
+            self.arrived.clear()
             if request is None:
-                reply = await self.queue.get()
-            else:
-                if time.monotonic() - self.checked > DISCONNECT_POLL:
-                    self.checked = time.monotonic()
-                    if await request.is_disconnected():
-                        raise ClientGone
-                try:
-                    reply = await asyncio.wait_for(self.queue.get(), timeout=DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    continue
+                await self.arrived.wait()
+                continue
+            if time.monotonic() - self.checked > DISCONNECT_POLL:
+                self.checked = time.monotonic()
+                if await request.is_disconnected():
+                    raise ClientGone
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout=DISCONNECT_POLL)
+            except asyncio.TimeoutError:
+                continue
+
+    async def next(self, request: Request | None = None) -> tuple[ChoiceState, UserReply]:
+        """The next reply of any choice."""
+        await self._wait(request)
+        reply = self.inbox.popleft()
+        choice = self.by_uid[reply.uid]
+        self._apply(choice, reply)
+        return choice, reply
+
+    async def drain(self) -> list[tuple[ChoiceState, UserReply]]:
+        """Every reply that arrived since the last call (at least one: waits for it)."""
+        await self._wait(None)
+        items = []
+        while self.inbox:
+            reply = self.inbox.popleft()
             choice = self.by_uid[reply.uid]
             self._apply(choice, reply)
-            return choice, reply
+            items.append((choice, reply))
+        return items
 
     def _apply(self, c: ChoiceState, reply: UserReply) -> None:
         now = time.perf_counter()
@@ -180,7 +206,7 @@ class Generation:
         c.logprobs += reply.logprobs or []
         c.prompt_tokens = reply.prompt_tokens or c.prompt_tokens
         c.cached_tokens = reply.cached_tokens or c.cached_tokens
-        c.completion_tokens = reply.completion_tokens or c.completion_tokens
+        c.completion_tokens = reply.completion_tokens or c.completion_tokens + len(reply.token_ids)
         if reply.finished:
             self.unfinished.discard(c.uid)
             self.frontend.unregister(c.uid)
