@@ -103,7 +103,9 @@ def chat_workload(name: str, model_path: str, n: int, output_len: int) -> Worklo
     tok = load_tokenizer(model_path)
     prompts = [
         tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            ),
             add_special_tokens=False,
         )
         for p in w4_prompts(n)
