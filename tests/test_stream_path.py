@@ -248,3 +248,77 @@ def test_a_kept_alive_connection_serves_many_replies(server):
                 json={"prompt": "1 + 1 =", "max_tokens": 2, "temperature": 0},
             )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- the idle check ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+@pytest.mark.parametrize("full", [False, True])
+def test_the_idle_check_finds_a_leaked_page_and_a_locked_prefix_from_the_counts_alone(cache_type, full):
+    """The service checks only the counts when idle (a GPU pool has a million pages); they still catch
+    a page nobody holds and, with a prefix cache, a prefix left locked."""
+    from minisgl.scheduler.cache import CacheManager
+
+    cm = CacheManager(64, 1, cache_type)
+    assert cm.check_integrity(full) is None
+    pages = cm.alloc(5)
+    assert "leak" in cm.check_integrity(full)  # 5 pages neither free nor cached
+    if cache_type == "naive":
+        cm.free(pages)
+        assert cm.check_integrity(full) is None
+        return
+    node, _ = cm.cache.insert([1, 2, 3, 4, 5], torch.tensor(pages))
+    assert cm.check_integrity(full) is None
+    cm.cache.lock(node)
+    assert "locked" in cm.check_integrity(full)
+    cm.cache.unlock(node)
+    cm.free(cm.cache.evict(5))
+    assert cm.check_integrity(full) is None and cm.num_free == 64
+
+
+# ---- the API server's side ------------------------------------------------------------------------------
+class _Frontend:
+    """What a Generation needs of the FrontendManager, without sockets."""
+
+    def __init__(self):
+        from minisgl.service.openai.metrics import Metrics
+
+        self.metrics, self.uids, self.aborted = Metrics(1), iter(range(100)), set()
+
+    def register(self, gen):
+        return next(self.uids)
+
+    def unregister(self, uid):
+        pass
+
+    def abort(self, uids):
+        self.aborted |= set(uids)
+
+
+def test_replies_a_handler_has_not_taken_join_into_one():
+    from minisgl.service.openai.routing import Generation
+
+    async def main():
+        gen = Generation(_Frontend(), [0, 0])  # two choices: uids 0 and 1
+        gen.push(0, "He", [1], {"prompt_tokens": 5})
+        gen.push(1, "A", [7])
+        gen.push(0, "llo", [2, 3])
+        gen.push(0, "", [4])
+        gen.push(0, "!", [5], {"finished": True, "finish_reason": "length", "completion_tokens": 5})
+        items = await gen.drain()
+        (c0, r0), (c1, r1) = items
+        assert (r0.text, r0.token_ids, r0.finished, r0.finish_reason) == (
+            "Hello!",
+            [1, 2, 3, 4, 5],
+            True,
+            "length",
+        )
+        assert (c0.text, c0.completion_tokens, c0.prompt_tokens) == ("Hello!", 5, 5)
+        assert (r1.text, r1.token_ids, r1.finished) == ("A", [7], False)
+        # a reply already taken is not joined; an error never joins (the text before it stays shown)
+        gen.push(1, "B", [8])
+        gen.push(1, "", [], {"finished": True, "finish_reason": "error", "error": "boom"})
+        items = await gen.drain()
+        assert [(r.text, r.error) for _, r in items] == [("B", None), ("", "boom")]
+        assert gen.done and c1.text == "AB"
+
+    asyncio.run(main())

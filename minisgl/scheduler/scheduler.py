@@ -433,10 +433,11 @@ class Scheduler:
         )
         return s
 
-    def check_integrity(self) -> None:
-        """Call when idle: every page must be free or held by the cache, every slot free."""
+    def check_integrity(self, full: bool = True) -> None:
+        """Call when idle: every page must be free or held by the cache, every slot free (`full`: each
+        page checked, not only the counts)."""
         assert not self.has_work, "integrity is checked when idle"
-        problem = self.cache.check_integrity()
+        problem = self.cache.check_integrity(full)
         if problem is None and self.table.num_free != self.table.capacity:
             problem = f"{self.table.capacity - self.table.num_free} request slots still taken"
         if problem is not None:

@@ -80,6 +80,7 @@ class SchedulerIO:
             remote = broadcast_object() if tcp_host is not None else None
             self.sub = ZmqSubQueue(broadcast_addr if same_node else remote, decoder=loads)
         self.live: set[int] = set()  # uids added and not finished
+        self.arrived: dict[int, float] = {}  # uids added whose first token is not out yet: when added
         self.early_aborts: dict[int, float] = {}  # aborts that arrived before their request
         self.outbox = TokenBatch()  # rows produced outside step(): errors, aborts
         self.idle_checked = True
@@ -90,6 +91,8 @@ class SchedulerIO:
             "aborted_requests": 0,
             "rejected_requests": 0,
             "cache_flushes": 0,
+            "first_token_seconds_sum": 0.0,  # from a request's arrival here to its first token
+            "first_token_count": 0,
         }
 
     def wait_for_ranks(self, timeout: float = 600.0) -> None:
@@ -108,9 +111,13 @@ class SchedulerIO:
         batch, self.outbox = self.outbox, TokenBatch()
         if self.scheduler.has_work:
             self.idle_checked = False
+            arrived = self.arrived
             for out in self.scheduler.step():
                 if out.finished:
                     self.live.discard(out.uid)
+                if arrived and (t := arrived.pop(out.uid, None)) is not None:
+                    self.counters["first_token_seconds_sum"] += time.perf_counter() - t
+                    self.counters["first_token_count"] += 1
                 _append(batch, out)
         if self.send is not None and len(batch):
             self.send.put(batch)  # one message per step, whatever the batch size
@@ -176,6 +183,7 @@ class SchedulerIO:
             self.outbox.add(error)
             return
         self.live.add(msg.uid)
+        self.arrived[msg.uid] = time.perf_counter()
 
     def _admit(self, msg: UserMsg) -> None:
         """Add the request to the scheduler; with `max_tokens_auto` a max_tokens too large for the context
@@ -190,6 +198,7 @@ class SchedulerIO:
             self.scheduler.add_request(msg.uid, input_ids, msg.sampling_params)
 
     def _abort(self, uid: int) -> None:
+        self.arrived.pop(uid, None)
         if uid in self.live:
             self.live.discard(uid)
             self.scheduler.abort_request(uid)
@@ -214,10 +223,12 @@ class SchedulerIO:
 
     def _check_integrity(self) -> None:
         """Idle: every KV page must be free or held by the prefix cache. A leak is logged loudly; with
-        MINISGL_STRICT_INTEGRITY=1 it also stops the service."""
+        MINISGL_STRICT_INTEGRITY=1 it also stops the service, and every page is checked, not only the
+        counts (on a GPU's pool of a million pages that took ~100 ms, which a request arriving just then
+        waited for)."""
         self.counters["integrity_checks"] += 1
         try:
-            self.scheduler.check_integrity()
+            self.scheduler.check_integrity(full=ENV.check_integrity)
         except AssertionError as e:
             self.counters["integrity_failures"] += 1
             logger.error(f"!!! KV INTEGRITY CHECK FAILED on rank {self.rank}: {e} !!!")

@@ -46,6 +46,11 @@ class Metrics:
         "integrity_failures": ("integrity_failures", "Idle-time KV integrity checks that found a leak"),
         "prompt_tokens": ("scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler"),
         "cached_prompt_tokens": ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
+        "first_token_seconds_sum": (
+            "scheduler_first_token_seconds_sum",
+            "Seconds from requests' arrival at the scheduler to their first token, summed",
+        ),
+        "first_token_count": ("scheduler_first_token_count", "Requests whose first token the scheduler sent"),
     }
 
     # the same numbers under the names gateways scrape: the Kubernetes Gateway API inference extension's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -291,6 +292,9 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.start()
+        # what exists now (the app, the libraries) lives as long as the process: the cyclic collector need
+        # not walk it again on every collection the per-token objects trigger
+        gc.freeze()
         yield
         server.stop()
 

@@ -68,11 +68,11 @@ class FrontendManager:
                 self.metrics.update(msg.stats)
                 continue
             assert isinstance(msg, ReplyBatch), type(msg).__name__
-            queues = self.queues
-            for reply in msg.replies():
-                gen = queues.get(reply.uid)
+            queues, info, texts, ids = self.queues, msg.info, msg.texts, msg.token_ids
+            for i, uid in enumerate(msg.uids):  # the columns as they are: no object per plain row
+                gen = queues.get(uid)
                 if gen is not None:  # else: finished or aborted already
-                    gen.push(reply)
+                    gen.push(uid, texts[i], ids[i], info.get(i))
 
     def register(self, gen: Generation) -> int:
         uid = next(self.uids)
@@ -114,6 +114,17 @@ class FrontendManager:
         self.recv.stop()
 
 
+def _join(reply: UserReply, info: dict[str, Any]) -> None:
+    """Add a later reply's other fields (a ReplyBatch row's info) to the reply it joins."""
+    for key, value in info.items():
+        if key == "logprobs":
+            reply.logprobs = (reply.logprobs or []) + value
+        elif key == "extras":
+            reply.extras = {**(reply.extras or {}), **value}
+        else:  # the later value wins: finished, finish_reason, the usage counts, an error
+            setattr(reply, key, value)
+
+
 @dataclass
 class ChoiceState:
     """What one choice (one uid) has produced so far."""
@@ -139,6 +150,7 @@ class Generation:
         self.frontend = frontend
         self.metrics = frontend.metrics
         self.inbox: deque[UserReply] = deque()  # replies routed here, not yet taken
+        self.unread: dict[int, UserReply] = {}  # uid -> its reply in the inbox, which later text joins
         self.arrived = asyncio.Event()
         self.choices = [ChoiceState(i, frontend.register(self), p) for i, p in enumerate(prompt_index)]
         self.by_uid = {c.uid: c for c in self.choices}
@@ -150,10 +162,29 @@ class Generation:
     def done(self) -> bool:
         return not self.unfinished
 
-    def push(self, reply: UserReply) -> None:
-        """A reply for one of this request's uids (the FrontendManager's listener calls it)."""
+    def push(self, uid: int, text: str, token_ids: list[int], info: dict[str, Any] | None = None) -> None:
+        """A reply (a ReplyBatch row) for one of this request's uids (the listener calls it). While the
+        handler has not taken the uid's previous reply, the new one joins it: a handler that falls behind
+        renders and writes one chunk for all the tokens that arrived meanwhile, not one per token."""
+        last = self.unread.get(uid)
+        if last is not None and not last.finished and (info is None or "error" not in info):
+            last.text += text
+            last.token_ids += token_ids
+            if info:
+                _join(last, info)
+            return
+        reply = UserReply(uid, text, token_ids) if info is None else UserReply(uid, text, token_ids, **info)
         self.inbox.append(reply)
+        self.unread[uid] = reply
         self.arrived.set()
+
+    def _take(self) -> tuple[ChoiceState, UserReply]:
+        reply = self.inbox.popleft()
+        if self.unread.get(reply.uid) is reply:
+            del self.unread[reply.uid]
+        choice = self.by_uid[reply.uid]
+        self._apply(choice, reply)
+        return choice, reply
 
     async def _wait(self, request: Request | None) -> None:
         """Until a reply is there. With `request`, checks for a disconnect every half second (a
@@ -175,20 +206,14 @@ class Generation:
     async def next(self, request: Request | None = None) -> tuple[ChoiceState, UserReply]:
         """The next reply of any choice."""
         await self._wait(request)
-        reply = self.inbox.popleft()
-        choice = self.by_uid[reply.uid]
-        self._apply(choice, reply)
-        return choice, reply
+        return self._take()
 
     async def drain(self) -> list[tuple[ChoiceState, UserReply]]:
         """Every reply that arrived since the last call (at least one: waits for it)."""
         await self._wait(None)
         items = []
         while self.inbox:
-            reply = self.inbox.popleft()
-            choice = self.by_uid[reply.uid]
-            self._apply(choice, reply)
-            items.append((choice, reply))
+            items.append(self._take())
         return items
 
     def _apply(self, c: ChoiceState, reply: UserReply) -> None:
