@@ -151,7 +151,8 @@ class Generation:
         self.metrics = frontend.metrics
         self.inbox: deque[UserReply] = deque()  # replies routed here, not yet taken
         self.unread: dict[int, UserReply] = {}  # uid -> its reply in the inbox, which later text joins
-        self.arrived = asyncio.Event()
+        self.waiter: asyncio.Future[None] | None = None  # the handler waiting for a reply (a bare future:
+        # an asyncio.Event costs a new future and a loop lookup on every wait, once per token and stream)
         self.choices = [ChoiceState(i, frontend.register(self), p) for i, p in enumerate(prompt_index)]
         self.by_uid = {c.uid: c for c in self.choices}
         self.unfinished = set(self.by_uid)
@@ -176,7 +177,8 @@ class Generation:
         reply = UserReply(uid, text, token_ids) if info is None else UserReply(uid, text, token_ids, **info)
         self.inbox.append(reply)
         self.unread[uid] = reply
-        self.arrived.set()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def _take(self) -> tuple[ChoiceState, UserReply]:
         reply = self.inbox.popleft()
@@ -190,16 +192,16 @@ class Generation:
         """Until a reply is there. With `request`, checks for a disconnect every half second (a
         non-streaming handler is not cancelled when its client goes away)."""
         while not self.inbox:
-            self.arrived.clear()
+            self.waiter = asyncio.get_running_loop().create_future()
             if request is None:
-                await self.arrived.wait()
+                await self.waiter
                 continue
             if time.monotonic() - self.checked > DISCONNECT_POLL:
                 self.checked = time.monotonic()
                 if await request.is_disconnected():
                     raise ClientGone
             try:
-                await asyncio.wait_for(self.arrived.wait(), timeout=DISCONNECT_POLL)
+                await asyncio.wait_for(self.waiter, timeout=DISCONNECT_POLL)
             except asyncio.TimeoutError:
                 continue
 
