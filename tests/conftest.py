@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY_SPECS, HFReference, build_tiny_model
+from helpers import TINY_SPECS, HFReference, Service, build_tiny_model, serving, thinking_model_dir
 
 # A KV leak found by the scheduler's idle integrity check fails loudly in tests.
 os.environ.setdefault("MINISGL_STRICT_INTEGRITY", "1")
@@ -77,3 +77,21 @@ def default_model_dir() -> str:
         return resolve_model_path(None)
     except ValueError as e:  # pragma: no cover - the README installs it
         pytest.skip(f"default model not installed: {e}")
+
+
+THINKING_SERVICE_ARGS = ["--dtype", "float32", "--num-pages", "2048", "--max-seq-len-override", "1024"]
+
+
+@pytest.fixture(scope="session")
+def thinking_model(default_model_dir, tmp_path_factory) -> str:
+    """The default model with a Qwen3-style thinking chat template (helpers.THINKING_TEMPLATE)."""
+    return thinking_model_dir(default_model_dir, tmp_path_factory.mktemp("thinking_model") / "model")
+
+
+@pytest.fixture(scope="session")
+def thinking_service(thinking_model, tmp_path_factory) -> Iterator[Service]:
+    """The service on `thinking_model`, served as "m": one for the tokenizer endpoints', the reasoning
+    and the Responses API tests."""
+    args = ["--model", thinking_model, *THINKING_SERVICE_ARGS, "--served-model-name", "m"]
+    with serving(args, tmp_path_factory.mktemp("thinking_service") / "server.log") as service:
+        yield service

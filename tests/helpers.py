@@ -514,3 +514,24 @@ def random_stored_rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
         scales = (rng.standard_normal(blocks.shape[0]) / 64).astype(np.float16)
         blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(blocks.reshape(n, k // qk * nbytes))
+
+
+# ---- a reasoning model: the default model with a Qwen3-style chat template ----------------------------
+# ChatML as the default model's, with Qwen3's thinking switch (`enable_thinking: false` writes a closed,
+# empty block into the prompt) and `open_thinking` (the prompt opens the block: the reply starts inside)
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking is defined and open_thinking %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def thinking_model_dir(default_model_dir: str, out_dir: Path) -> str:
+    """The default model's files (linked) with THINKING_TEMPLATE as its chat template."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(default_model_dir):
+        if name != "chat_template.jinja":
+            os.symlink(os.path.join(default_model_dir, name), out_dir / name)
+    (out_dir / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return str(out_dir)

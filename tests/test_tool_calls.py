@@ -18,7 +18,7 @@ from minisgl.message import TokenizeMsg, UserReply
 from minisgl.service.openai.constraints import requested, single
 from minisgl.service.openai.errors import APIError
 from minisgl.service.openai.protocol import ChatCompletionRequest, CompletionRequest
-from minisgl.service.openai.render import ChatRenderer
+from minisgl.service.openai.render import ChatOutput, ChatRenderer
 from minisgl.service.openai.routing import ChoiceState
 from minisgl.service.openai.tool_parser import (
     HERMES,
@@ -351,7 +351,7 @@ def sse_deltas(frames: list[bytes]) -> list[dict]:
 
 
 def test_two_streamed_choices_each_get_their_own_calls_in_openai_chunks():
-    r = ChatRenderer("m", "chatcmpl-0", tool_format=HERMES)
+    r = ChatRenderer("m", "chatcmpl-0", output=ChatOutput(tools=HERMES))
     choices = [ChoiceState(0, 10, 0), ChoiceState(1, 11, 0)]
     texts = [HERMES_OUT, '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 6}}\n</tool_call>']
     frames = []
@@ -386,7 +386,7 @@ def test_two_streamed_choices_each_get_their_own_calls_in_openai_chunks():
 
 
 def test_the_full_reply_holds_the_calls_and_the_text_outside_them():
-    r = ChatRenderer("m", "chatcmpl-0", tool_format=HERMES)
+    r = ChatRenderer("m", "chatcmpl-0", output=ChatOutput(tools=HERMES))
     c = ChoiceState(0, 1, 0, text=HERMES_OUT, finish_reason="stop")
     message = r._final(c)["message"]
     assert message["content"] == "Let me look that up."

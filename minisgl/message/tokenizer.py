@@ -24,6 +24,7 @@ class TokenizeMsg:
     stop: list[str] = field(default_factory=list)  # stop strings, applied by the detokenizer
     max_tokens_auto: bool = False  # max_tokens is only a ceiling (see UserMsg)
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions for the chat template's `tools`
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's other variables (enable_thinking)
 
 
 @serializable

@@ -62,6 +62,13 @@ class ServerArgs(SchedulerConfig):
         "template (a ChatML template without tool support gets hermes)",
         choices=["auto", "hermes", "qwen25", "qwen3", "llama3", "llama3_json"],
     )
+    reasoning_parser: str = option(
+        "auto",
+        help="how the model marks its reasoning (sent as `reasoning_content`, apart from the answer): qwen3, "
+        "deepseek-r1 (its output starts in the reasoning); auto: qwen3's where the chat template writes "
+        "<think>; none: no parsing",
+        choices=["auto", "none", "qwen3", "deepseek-r1"],
+    )
     shell: bool = option(False, help="chat in the terminal instead of serving HTTP")
     dp_size: int = option(
         1,

@@ -89,7 +89,7 @@ class PromptTokenizer:
             self.send_detokenizer.put(TokenBatch.of([error]))
 
     def _ids(self, msg: TokenizeMsg) -> list[int]:
-        key = (msg.text, msg.messages, msg.input_ids, msg.tools)
+        key = (msg.text, msg.messages, msg.input_ids, msg.tools, msg.chat_template_kwargs)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         ids = self.mgr.tokenize(msg)

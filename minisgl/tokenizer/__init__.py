@@ -4,6 +4,6 @@ The worker process that drives these over ZMQ is the service's: `minisgl/service
 """
 
 from .detokenize import DetokenizeManager
-from .tokenize import TokenizeManager
+from .tokenize import TokenizeManager, chat_text
 
-__all__ = ["DetokenizeManager", "TokenizeManager"]
+__all__ = ["DetokenizeManager", "TokenizeManager", "chat_text"]

@@ -18,7 +18,7 @@ from minisgl.core import InvalidRequest, SamplingParams
 from minisgl.message import TokenizeMsg
 
 from .errors import APIError, FieldNames
-from .protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, SamplingBody, ToolCall
+from .protocol import MAX_LOGIT_BIAS, ChatMessage, SamplingBody, ToolCall
 
 if TYPE_CHECKING:
     from ..args import ServerArgs
@@ -170,19 +170,19 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage], limits: Limits) -> list[dict[str, Any]]:
     """The messages as the chat template takes them (text parts joined, `developer` read as `system`, an
     assistant's `tool_calls` with their arguments as objects, as the templates expect)."""
-    if not req.messages:
+    if not messages:
         raise APIError("'messages' must not be empty", "messages", "invalid_value")
-    if len(req.messages) > limits.context:
+    if len(messages) > limits.context:
         raise APIError(
-            f"'messages' holds {len(req.messages)} messages; at most {limits.context} can fit the context",
+            f"'messages' holds {len(messages)} messages; at most {limits.context} can fit the context",
             "messages",
             "context_length_exceeded",
         )
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise APIError(
                 f"messages[{i}].role must be system, user, assistant, tool or developer, got {m.role!r}",
@@ -219,7 +219,7 @@ def chat_messages(req: ChatCompletionRequest, limits: Limits) -> list[dict[str, 
         if m.name is not None:
             msg["name"] = m.name
         out.append(msg)
-    calls = "".join(c.function.arguments for m in req.messages for c in m.tool_calls or [])
+    calls = "".join(c.function.arguments for m in messages for c in m.tool_calls or [])
     limits.check_text("".join(m["content"] for m in out) + calls, "messages")  # the template adds little
     return out
 
@@ -240,12 +240,43 @@ def _tool_calls(calls: list[ToolCall], i: int) -> list[dict[str, Any]]:
     return out
 
 
+# apply_chat_template's own arguments: `chat_template_kwargs` may not set them
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt"}
+_TEMPLATE_ARGS |= {"continue_final_message", "tokenize", "padding", "truncation", "max_length"}
+_TEMPLATE_ARGS |= {"return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` (e.g. {"enable_thinking": false}): variables the chat template reads; the
+    names of apply_chat_template's own arguments are refused."""
+    if not kwargs:
+        return None
+    taken = sorted(k for k in kwargs if k in _TEMPLATE_ARGS or not k.isidentifier())
+    if taken:
+        raise APIError(
+            f"'chat_template_kwargs' may not set {taken[0]!r} (only variables the chat template reads)",
+            "chat_template_kwargs",
+            "invalid_value",
+        )
+    return dict(kwargs)
+
+
 def chat_fan_out(
-    messages: list[dict[str, Any]], s: Sampling, limits: Limits, tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]],
+    s: Sampling,
+    limits: Limits,
+    tools: list[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[TokenizeMsg]:
-    """One TokenizeMsg per choice of a chat (`tools`: for a template that renders them)."""
+    """One TokenizeMsg per choice of a chat (`tools`: for a template that renders them; `kwargs`: the
+    template's other variables)."""
     limits.check_sequences(1, s.n)
-    return [TokenizeMsg(-1, s.for_choice(i), messages=messages, stop=s.stop, tools=tools) for i in range(s.n)]
+    return [
+        TokenizeMsg(
+            -1, s.for_choice(i), messages=messages, stop=s.stop, tools=tools, chat_template_kwargs=kwargs
+        )
+        for i in range(s.n)
+    ]
 
 
 def prompts(value: Any, param: str, limits: Limits) -> list[Prompt]:

@@ -126,6 +126,7 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[dict[str, Any]] | None = None  # checked by tools.py, naming the bad part
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables, e.g. enable_thinking
 
 
 class CompletionRequest(SamplingBody):

@@ -12,8 +12,18 @@ import orjson
 
 from minisgl.message import TokenLogprob, UserReply
 
+from .reasoning import CLOSED, ReasoningFormat, ReasoningSplitter, ReasoningText, split
 from .routing import ChoiceState, Generation
-from .tool_parser import CallArgs, CallStart, Event, Text, ToolCallParser, ToolFormat, parse_tool_calls
+from .tool_parser import (
+    CallArgs,
+    CallStart,
+    Event,
+    ParsedCall,
+    Text,
+    ToolCallParser,
+    ToolFormat,
+    parse_tool_calls,
+)
 
 
 def sse(obj: Any) -> bytes:
@@ -141,42 +151,106 @@ def _finish_reason(c: ChoiceState, called: bool) -> str | None:
     return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
 
+@dataclass(frozen=True)
+class ChatOutput:
+    """How a chat's output is read: its reasoning (format, and where the output starts: reasoning.py) and
+    its tool calls (the format, when the request has tools)."""
+
+    reasoning: ReasoningFormat | None = None
+    state: str = CLOSED
+    tools: ToolFormat | None = None
+
+    @property
+    def splits(self) -> bool:
+        return self.reasoning is not None and self.state != CLOSED
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(
+            ReasoningSplitter(self.reasoning, self.state) if self.splits and self.reasoning else None,
+            ToolCallParser(self.tools) if self.tools is not None else None,
+        )
+
+    def parse(self, text: str) -> tuple[str | None, str | None, list[ParsedCall]]:
+        """A whole output as (reasoning, content, tool calls); reasoning None: there was none."""
+        reasoning, content = split(text, self.reasoning, self.state) if self.reasoning else (None, text)
+        calls: list[ParsedCall] = []
+        if self.tools is not None:
+            content, calls = parse_tool_calls(content, self.tools)
+        return reasoning, content, calls
+
+
+@dataclass
+class ChatOutputParser:
+    """One choice's text, as it streams, as events: reasoning, then the answer's text and tool calls."""
+
+    splitter: ReasoningSplitter | None
+    tools: ToolCallParser | None
+
+    def feed(self, text: str) -> list[Event | ReasoningText]:
+        if self.splitter is None:
+            return self._answer(text, False)
+        reasoning, content = self.splitter.feed(text)
+        return ([ReasoningText(reasoning)] if reasoning else []) + self._answer(content, False)
+
+    def finish(self) -> list[Event | ReasoningText]:
+        if self.splitter is None:
+            return self._answer("", True)
+        reasoning, content = self.splitter.finish()
+        return ([ReasoningText(reasoning)] if reasoning else []) + self._answer(content, True)
+
+    def _answer(self, text: str, final: bool) -> list[Event | ReasoningText]:
+        if self.tools is None:
+            return [Text(text)] if text else []
+        return self.tools.feed(text) + (self.tools.finish() if final else [])
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.count > 0
+
+
 @dataclass
 class ChatRenderer(_OpenAIRenderer):
-    """/v1/chat/completions: `chat.completion` bodies, deltas after an opening role chunk. With
-    `tool_format`, tool calls are read out of each choice's text (`message.tool_calls`, streamed as
-    `delta.tool_calls` with the arguments in pieces) and never reach `content`."""
+    """/v1/chat/completions: `chat.completion` bodies, deltas after an opening role chunk. The `output`
+    says what is read out of each choice's text: the reasoning (`message.reasoning_content` and
+    `message.reasoning`, streamed as deltas of both) and tool calls (`message.tool_calls`, streamed as
+    `delta.tool_calls` with the arguments in pieces); neither reaches `content`."""
 
     OBJECT = "chat.completion"
     CHUNK_OBJECT = "chat.completion.chunk"
-    tool_format: ToolFormat | None = None
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, while streaming
+    output: ChatOutput = field(default_factory=ChatOutput)
+    parsers: dict[int, ChatOutputParser] = field(default_factory=dict)  # per choice, while streaming
+
+    @property
+    def _plain(self) -> bool:
+        return self.output.tools is None and not self.output.splits
 
     def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
-        if self.tool_format is None:
+        if self._plain:
             return super().stream_delta(c, reply, offset)
-        parser = self.parsers.setdefault(c.index, ToolCallParser(self.tool_format))
+        parser = self.parsers.setdefault(c.index, self.output.parser())
         lps = reply.logprobs if self.logprobs else None
-        return self._tool_chunks(c, parser.feed(reply.text), lps)
+        return self._event_chunks(c, parser.feed(reply.text), lps)
 
     def stream_finish(self, c: ChoiceState) -> bytes | None:
-        if self.tool_format is None:
+        if self._plain:
             return super().stream_finish(c)
-        parser = self.parsers.setdefault(c.index, ToolCallParser(self.tool_format))
-        rest = self._tool_chunks(c, parser.finish(), None) or b""
-        reason = _finish_reason(c, parser.count > 0)
+        parser = self.parsers.setdefault(c.index, self.output.parser())
+        rest = self._event_chunks(c, parser.finish(), None) or b""
+        reason = _finish_reason(c, parser.called)
         return rest + self._chunk(
             [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
         )
 
-    def _tool_chunks(
-        self, c: ChoiceState, events: list[Event], lps: list[TokenLogprob] | None
+    def _event_chunks(
+        self, c: ChoiceState, events: list[Event | ReasoningText], lps: list[TokenLogprob] | None
     ) -> bytes | None:
-        """One chunk per event (text, a call's opening, a piece of its arguments); the reply's logprobs
-        ride on the first (on an empty delta when the reply's text was all held back)."""
+        """One chunk per event (reasoning, text, a call's opening, a piece of its arguments); the reply's
+        logprobs ride on the first (on an empty delta when the reply's text was all held back)."""
         deltas: list[dict[str, Any]] = []
         for e in events:
-            if isinstance(e, Text):
+            if isinstance(e, ReasoningText):
+                deltas.append({"reasoning_content": e.text, "reasoning": e.text})
+            elif isinstance(e, Text):
                 deltas.append({"content": e.text})
             elif isinstance(e, CallStart):
                 fn = {"name": e.name, "arguments": ""}
@@ -206,10 +280,12 @@ class ChatRenderer(_OpenAIRenderer):
         return {"index": c.index, "delta": delta, "logprobs": chat_logprobs(lps) if lps else None}
 
     def _final(self, c: ChoiceState) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        calls = []
-        if self.tool_format is not None:
-            message["content"], calls = parse_tool_calls(c.text, self.tool_format)
+        reasoning, content, calls = self.output.parse(c.text)
+        if reasoning is not None and not content:
+            content = None  # all of it was reasoning (as a reply of only tool calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.output.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:
             message["tool_calls"] = [
                 {"id": call_id(), "type": "function", "function": {"name": t.name, "arguments": t.arguments}}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import itertools
+import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from minisgl.message import TokenizeMsg, UserReply
+from minisgl.tokenizer import chat_text
 from minisgl.utils import init_logger
 
 from ..args import ServerArgs
@@ -32,23 +36,38 @@ from .errors import (
     error_response,
     model_not_found,
 )
-from .params import Limits, Sampling, chat_fan_out, chat_messages, fan_out, prompts, sampling
+from .params import (
+    Limits,
+    Sampling,
+    chat_fan_out,
+    chat_messages,
+    fan_out,
+    prompts,
+    sampling,
+    template_kwargs,
+)
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     SamplingBody,
+    check_supported,
     parse,
     read_json,
 )
-from .render import SSE_DONE, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
+from .reasoning import CLOSED, MAY_OPEN, ReasoningFormat, after_reasoning, prompt_state
+from .reasoning import detect as detect_reasoning
+from .render import SSE_DONE, ChatOutput, ChatRenderer, CompletionRenderer, GenerateRenderer, Renderer, sse
+from .responses import ResponsesRenderer, chat_body
 from .routing import ChoiceState, FrontendManager, Generation
+from .tokenization import DetokenizeBody, ServerTokenizer, TokenizeBody
 from .tools import ToolSupport, chat_template_text, detect, template_messages, tool_request, with_tool_grammar
 from .worker_api import RequestIdMiddleware, add_worker_routes
 
 logger = init_logger(__name__, "api")
 
 _rids = itertools.count()
+MAX_TEMPLATE_STATES = 64  # distinct chat_template_kwargs whose reasoning state is remembered
 GENERATE_MAX_NEW_TOKENS = 128  # /generate without max_new_tokens: SGLang's default
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's default (vLLM's and SGLang's too)
 
@@ -84,6 +103,8 @@ class OpenAIServer:
         self.args, self.max_seq_len, self.health = args, max_seq_len, health
         self.created = int(time.time())
         self.limits = Limits.of(args, max_seq_len)
+        self.tokenizer = ServerTokenizer(args.model_path, self.limits)
+        self._states: dict[str, str] = {}  # chat_template_kwargs (JSON) -> reasoning prompt state
         self._frontend: FrontendManager | None = None
 
     @functools.cached_property
@@ -95,6 +116,30 @@ class OpenAIServer:
             f"tool calls: {fmt} format, {'rendered by' if support.native else 'added to'} the template"
         )
         return support
+
+    @functools.cached_property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """The served model's think markers (--reasoning-parser, or found from its chat template)."""
+        fmt = detect_reasoning(chat_template_text(self.args.model_path), self.args.reasoning_parser)
+        logger.info(f"reasoning: {fmt.name if fmt is not None else 'none'}")
+        return fmt
+
+    def reasoning_state(self, kwargs: dict[str, Any] | None) -> str:
+        """Where a reply starts with these template variables (reasoning.py's prompt_state), read from the
+        generation prompt of a one-message chat; blocking (call it in a thread)."""
+        fmt = self.reasoning_format
+        assert fmt is not None
+        key = json.dumps(kwargs or {}, sort_keys=True)
+        if key in self._states:
+            return self._states[key]
+        try:
+            prompt = chat_text(self.tokenizer.get(), [{"role": "user", "content": "?"}], None, kwargs)
+        except Exception:  # noqa: BLE001 - the tokenizer worker reports the template's error itself
+            return MAY_OPEN
+        state = prompt_state(prompt, fmt)
+        if len(self._states) < MAX_TEMPLATE_STATES:
+            self._states[key] = state
+        return state
 
     @property
     def frontend(self) -> FrontendManager:
@@ -205,28 +250,53 @@ class OpenAIServer:
     async def chat(self, request: Request, data: dict[str, Any]) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
         model = self.model_name(req.model)
-        messages = chat_messages(req, self.limits)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-        use_completion = req.max_completion_tokens is not None
-        names = FieldNames("messages", "max_completion_tokens" if use_completion else "max_tokens")
-        max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
-        support = self.tool_support
-        tr = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, support)
-        messages, template_tools = template_messages(messages, tr, support)
-        s = sampling(req, max_tokens, names, bool(req.logprobs), top)
-        constrain(s, with_tool_grammar(requested(req, req.response_format), tr, support))
-        self.frontend.metrics.requests.labels("chat").inc()
-        msgs = chat_fan_out(messages, s, self.limits, template_tools)
+        msgs, names, output = await self.chat_msgs(req)
         renderer = ChatRenderer(
             model,
             f"chatcmpl-{next(_rids)}",
             include_usage=req.include_usage,
             logprobs=bool(req.logprobs),
-            tool_format=support.fmt if tr is not None and tr.parses else None,
+            output=output,
         )
-        return await self.run(request, Job(renderer, msgs, [0] * s.n, bool(req.stream), names))
+        return await self.run(request, Job(renderer, msgs, [0] * len(msgs), bool(req.stream), names))
+
+    async def chat_msgs(
+        self, req: ChatCompletionRequest, names: FieldNames | None = None
+    ) -> tuple[list[TokenizeMsg], FieldNames, ChatOutput]:
+        """A chat request's TokenizeMsgs (one per choice), the names its errors use, and how its output is
+        read (reasoning, tool calls); the Responses API comes here too (with its own `names`)."""
+        messages = chat_messages(req.messages, self.limits)
+        kwargs = template_kwargs(req.chat_template_kwargs)
+        use_completion = req.max_completion_tokens is not None
+        if names is None:
+            names = FieldNames("messages", "max_completion_tokens" if use_completion else "max_tokens")
+        max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
+        support = self.tool_support
+        tr = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, support)
+        messages, template_tools = template_messages(messages, tr, support)
+        s = sampling(req, max_tokens, names, bool(req.logprobs), req.top_logprobs or 0)
+        fmt = self.reasoning_format
+        state = await asyncio.to_thread(self.reasoning_state, kwargs) if fmt is not None else CLOSED
+        c = single(with_tool_grammar(requested(req, req.response_format), tr, support))
+        c = after_reasoning(c, fmt, state)
+        if c is not None:
+            c.apply(s.params)
+        self.frontend.metrics.requests.labels("chat").inc()
+        msgs = chat_fan_out(messages, s, self.limits, template_tools, kwargs)
+        tools = support.fmt if tr is not None and tr.parses else None
+        return msgs, names, ChatOutput(fmt, state, tools)
+
+    async def responses(self, request: Request, data: dict[str, Any]) -> Response:
+        """POST /v1/responses: run as the chat completion it translates to (responses.py)."""
+        check_supported(data)
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, chat_body(data))
+        model = self.model_name(req.model)
+        msgs, names, output = await self.chat_msgs(req, FieldNames("input", "max_output_tokens"))
+        renderer = ResponsesRenderer(model, f"resp_{uuid.uuid4().hex}", request=data, output=output)
+        return await self.run(request, Job(renderer, msgs, [0], bool(req.stream), names))
 
     async def completions(self, request: Request, data: dict[str, Any]) -> Response:
         req: CompletionRequest = parse(CompletionRequest, data)
@@ -269,6 +339,16 @@ class OpenAIServer:
         msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
         renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
+
+    async def tokenize(self, request: Request, data: dict[str, Any]) -> Response:
+        body: TokenizeBody = parse(TokenizeBody, data)
+        self.model_name(body.model)
+        return JSONResponse(await self.tokenizer.tokenize(body, self.max_seq_len))
+
+    async def detokenize(self, request: Request, data: dict[str, Any]) -> Response:
+        body: DetokenizeBody = parse(DetokenizeBody, data)
+        self.model_name(body.model)
+        return JSONResponse(await self.tokenizer.detokenize(body))
 
     def model_card(self, name: str) -> dict[str, Any]:
         """GET /v1/models/{name}: the card of one served name (an alias has its own card)."""
@@ -328,6 +408,10 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     async def chat_completions(request: Request) -> Response:
         return await server.guarded(request, server.chat)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await server.guarded(request, server.responses)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.guarded(request, server.completions)
@@ -335,6 +419,18 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         return await server.guarded(request, server.generate)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await server.guarded(request, server.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await server.guarded(request, server.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return JSONResponse(await server.tokenizer.info(server.max_seq_len))
 
     return app
 
