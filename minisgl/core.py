@@ -90,6 +90,12 @@ class SamplingParams:
     # keep the tokens at least min_p times as likely as the most likely one (vLLM's); 0 is off. Last, so
     # that positional construction keeps its meaning
     min_p: float = 0.0
+    # the prompt's own log-probabilities (vLLM's `prompt_logprobs`): None is off, k >= 0 reports each prompt
+    # token's log-probability and the k most likely tokens at its position, from prompt position
+    # `prompt_logprobs_start` on (SGLang's `logprob_start_len`; position 0 has none). Those positions are
+    # computed, never taken from the prefix cache; with prompt_logprobs set, `max_tokens` may be 0
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
         for name in ("json_schema", "structural_tag"):  # messages carry the text, not the object
@@ -110,8 +116,19 @@ class SamplingParams:
         """Raise InvalidRequest naming the offending field. Constraints are only type-checked here;
         minisgl.grammar.check_grammar parses them."""
         _validate_grammar_fields(self)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidRequest(f"'max_tokens' must be at least 1, got {self.max_tokens!r}", "max_tokens")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: only the prompt's log-probabilities
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
+            raise InvalidRequest(
+                f"'max_tokens' must be at least {least}, got {self.max_tokens!r}", "max_tokens"
+            )
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+            raise InvalidRequest(f"'prompt_logprobs' must be in [0, 20], got {k!r}", "prompt_logprobs")
+        start = self.prompt_logprobs_start
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise InvalidRequest(
+                f"'prompt_logprobs_start' must be >= 0, got {start!r}", "prompt_logprobs_start"
+            )
         t = self.temperature
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InvalidRequest(f"'temperature' must be >= 0, got {t!r}", "temperature")
@@ -184,6 +201,27 @@ def _validate_logit_bias(bias: Any) -> None:
             )
 
 
+@dataclass
+class PromptLogprobs:
+    """A prompt's log-probabilities under the model's raw distribution, from prompt position `start` (at
+    least 1) to its end: `token[i]` is that of prompt token start + i given the tokens before it, and
+    `top_ids[i]` / `top_logprobs[i]` the k most likely tokens there, most likely first."""
+
+    start: int
+    token: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def extend(
+        self, token: torch.Tensor, top_vals: torch.Tensor | None, top_ids: torch.Tensor | None
+    ) -> None:
+        """Append one chunk's rows (host tensors)."""
+        self.token += token.tolist()
+        n = token.numel()
+        self.top_logprobs += top_vals.tolist() if top_vals is not None else [[] for _ in range(n)]
+        self.top_ids += top_ids.tolist() if top_ids is not None else [[] for _ in range(n)]
+
+
 @dataclass(eq=False)
 class Req:
     """One request inside the scheduler: its tokens, its request slot and how far its KV has been computed.
@@ -212,10 +250,24 @@ class Req:
     # minisgl.grammar.RequestGrammar of a constrained request once its grammar is compiled: the matcher
     # has accepted every generated token (kept through retraction; dropped when the request ends)
     grammar: Any = None
+    # the prompt's log-probabilities collected so far (SamplingParams.prompt_logprobs), and the next prompt
+    # position whose log-probability is still to be scheduled (prompt_len: none left)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_lp_next: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
             self.prompt_len = len(self.token_ids)
+        k = self.sampling_params.prompt_logprobs
+        self.prompt_lp_next = self.prompt_len
+        if k is not None:
+            self.prompt_lp_next = max(self.sampling_params.prompt_logprobs_start, 1)
+            self.prompt_logprobs = PromptLogprobs(self.prompt_lp_next)
+
+    @property
+    def prompt_lp_rows(self) -> range:
+        """The positions whose logits still give a prompt log-probability (row p predicts token p + 1)."""
+        return range(self.prompt_lp_next - 1, self.prompt_len - 1)
 
 
 @dataclass(eq=False)
@@ -253,6 +305,13 @@ class Batch:
     # sampling (minisgl/grammar.py). None: no constrained row, the plain path
     grammar_rows: list[int] | None = None
     padded_size: int = 0  # batch size after padding for a CUDA graph (decode only)
+    # prompt log-probabilities (SamplingParams.prompt_logprobs): the flat rows whose logits are reduced to
+    # (the target's log-probability, the top `prompt_top`), their target tokens, and per request of the
+    # batch the number of its rows, in batch order. None: no request asks
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_top: int = 0
+    prompt_counts: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.phase = Phase(self.phase)

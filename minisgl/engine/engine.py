@@ -48,6 +48,7 @@ class ForwardOutput:
     next_tokens_host: torch.Tensor  # the same, copied asynchronously to (pinned) host memory
     copy_done: Any  # event: the host copy is complete once it is synchronised
     logprobs_host: tuple | None = None  # (chosen [S], top values [S, k] | None, top ids [S, k] | None)
+    prompt_logprobs_host: tuple | None = None  # Batch.prompt_rows': (target [R], top values, top ids)
 
     def wait(self) -> None:
         self.copy_done.synchronize()
@@ -60,6 +61,29 @@ class Logits:
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None
+    prompt: tuple | None = None  # Batch.prompt_rows reduced (prompt_logprobs), on the device
+
+
+# rows of prompt logits computed at a time: [256, vocab] float32 at most (150 MB for 150k words), so a long
+# prompt's log-probabilities never hold [prompt_len, vocab]
+PROMPT_LOGPROB_ROWS = 256
+
+
+def reduce_prompt_logprobs(
+    hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, top: int, compute_logits: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row of `hidden` in `rows`: the float32 log-probability of its target and the top `top`
+    (values, ids), the logits of PROMPT_LOGPROB_ROWS rows at a time."""
+    chosen, vals, ids = [], [], []
+    for i in range(0, rows.numel(), PROMPT_LOGPROB_ROWS):
+        block = slice(i, i + PROMPT_LOGPROB_ROWS)
+        logp = torch.log_softmax(compute_logits(hidden[rows[block]]).float(), dim=-1)
+        chosen.append(logp.gather(-1, targets[block, None]).squeeze(-1))
+        v, k = logp.topk(top, dim=-1)
+        vals.append(v)
+        ids.append(k.to(torch.int32))
+        del logp
+    return torch.cat(chosen), torch.cat(vals), torch.cat(ids)
 
 
 def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
@@ -335,15 +359,22 @@ class Engine:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             out = self.graph_runner.replay(batch)  # the greedy tokens are in the token pool already
             return Logits(out.logits[: batch.size], out.tokens[: batch.size])
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+        prompt_rows = batch.prompt_rows
+        if prompt_rows is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
             return Logits(self.prefill_graphs.replay(batch))
         self.prepare_inputs(batch)
         self.attn_backend.prepare_metadata(batch)
         if self.cpu_step is not None and batch.is_decode:
             return Logits(self.model.compute_logits(self.cpu_step.run(batch)))
         hidden = self._run_model(batch)
+        prompt = None
+        if prompt_rows is not None:  # eager: a prefill graph ends at the sampled rows' logits
+            assert batch.prompt_targets is not None
+            prompt = reduce_prompt_logprobs(
+                hidden, prompt_rows, batch.prompt_targets, batch.prompt_top, self.model.compute_logits
+            )
         hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
-        return Logits(self.model.compute_logits(hidden))
+        return Logits(self.model.compute_logits(hidden), prompt=prompt)
 
     @torch.inference_mode()
     def sample(self, batch: Batch, fwd: Logits, mask: TokenMask | None = None) -> ForwardOutput:
@@ -369,7 +400,10 @@ class Engine:
                 None if t is None else t.to("cpu", non_blocking=True)
                 for t in self.sampler.logprobs(logits, next_tokens, top)
             )
-        return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs)
+        prompt = None
+        if fwd.prompt is not None:  # copied before the event below, which then covers it
+            prompt = tuple(t.to("cpu", non_blocking=True) for t in fwd.prompt)
+        return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs, prompt)
 
     def _run_model(self, batch: Batch) -> torch.Tensor:
         """The model's final hidden states for a batch whose inputs and attention metadata are set."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.core import InvalidRequest, PromptLogprobs, SamplingParams
 from minisgl.grammar import check_grammar
 from minisgl.models import ModelConfig
 from minisgl.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -30,6 +30,14 @@ def _load_tokenizer(model_dir: str) -> Any:
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     return load_tokenizer(model_dir) if has_tokenizer else None
+
+
+def _put_prompt_logprobs(out: dict[str, Any], lp: PromptLogprobs, params: SamplingParams) -> None:
+    """A request's prompt log-probabilities in its output dict, one entry per prompt position."""
+    out["prompt_logprobs"] = [None] * lp.start + lp.token
+    if params.prompt_logprobs:
+        pairs = [list(zip(ids, vals)) for ids, vals in zip(lp.top_ids, lp.top_logprobs)]
+        out["prompt_top_logprobs"] = [None] * lp.start + pairs
 
 
 class LLM:
@@ -114,7 +122,10 @@ class LLM:
         """Generate for every prompt; returns one dict per prompt, in order: `text`, `token_ids` (the
         generated ids), `finish_reason`, `prompt_tokens`; with `logprobs=True` also `logprobs` (per token) and,
         with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs); `error` when a request
-        ended with finish_reason "error".
+        ended with finish_reason "error". With `prompt_logprobs=k` also `prompt_logprobs` (per prompt
+        position: None before `prompt_logprobs_start` and at position 0, else the log-probability of that
+        prompt token given the ones before) and, for k > 0, `prompt_top_logprobs` (k (id, logprob) pairs per
+        position, None where the other is); `max_tokens=0` then generates nothing.
 
         A SamplingParams with `json_schema`, `regex`, `ebnf` or `structural_tag` constrains its output
         (minisgl/grammar.py): it ends with "stop" once the constraint is complete.
@@ -139,6 +150,7 @@ class LLM:
             self._check_grammar(p)
         uids = [next(self._uids) for _ in prompts]
         index = {uid: i for i, uid in enumerate(uids)}
+        p_of = dict(zip(uids, params))
         outputs: list[dict[str, Any]] = [
             {"token_ids": [], "finish_reason": None, "prompt_tokens": len(ids)} for ids in encoded
         ]
@@ -158,6 +170,8 @@ class LLM:
                     out.setdefault("top_logprobs", []).append(res.top_logprobs)
                 if res.error is not None:
                     out["error"] = res.error
+                if res.prompt_logprobs is not None:
+                    _put_prompt_logprobs(out, res.prompt_logprobs, p_of[res.uid])
                 if res.finished:
                     out["finish_reason"] = str(res.finish_reason)  # the plain value, as before
                     remaining -= 1

@@ -57,10 +57,12 @@ class CacheManager:
         return len(pages)
 
     def match(self, req: Req) -> int:
-        """Lock the longest cached prefix of req's tokens (keeping at least one token to compute) and
-        take its pages as req's first pages; returns the cached length."""
+        """Lock the longest cached prefix of req's tokens (keeping at least one token to compute, and every
+        position whose logits give a prompt log-probability) and take its pages as req's first pages;
+        returns the cached length."""
         ps = self.page_size
-        limit = (len(req.token_ids) - 1) // ps * ps
+        rows = req.prompt_lp_rows
+        limit = min(len(req.token_ids) - 1, rows.start if rows else len(req.token_ids)) // ps * ps
         result = self.cache.match_prefix(req.token_ids[:limit])
         self.cache.lock(result.handle)
         req.cache_handle, req.prefix_cache_len = result.handle, result.length

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.core import Batch, FinishReason, InvalidRequest, Phase, Req, SamplingParams
+from minisgl.core import Batch, FinishReason, InvalidRequest, Phase, PromptLogprobs, Req, SamplingParams
 from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, Logits, SamplingInfo
 from minisgl.env import ENV
 from minisgl.utils import init_logger
@@ -45,6 +45,7 @@ class StepOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache (Req.cached_prompt_len)
     error: str | None = None  # why a request ended with FinishReason.ERROR (token_id -1: no token)
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token (SamplingParams.prompt_logprobs)
 
 
 class Scheduler:
@@ -105,6 +106,11 @@ class Scheduler:
         if n >= self.pool_tokens:
             raise InvalidRequest(
                 f"the prompt has {n} tokens but the KV pool holds only {self.pool_tokens}", "prompt"
+            )
+        if params.prompt_logprobs is not None and params.prompt_logprobs_start >= n:
+            raise InvalidRequest(
+                f"'prompt_logprobs_start' is {params.prompt_logprobs_start}; the prompt has {n} tokens",
+                "prompt_logprobs_start",
             )
         if params.max_tokens is not None and n + params.max_tokens > max_len:
             raise InvalidRequest(
@@ -248,6 +254,7 @@ class Scheduler:
             pt_pos.append(torch.arange(start, end, dtype=torch.int32))
             pt_slots.append(slots[start:])
             req.table_len = end
+        self._prompt_rows(batch)
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
         prefill_parts = (
@@ -271,6 +278,30 @@ class Scheduler:
             if s:
                 self.decode.add(req)
         return batch
+
+    def _prompt_rows(self, batch: Batch) -> None:
+        """The rows of this prefill whose logits give prompt log-probabilities, and their targets (one small
+        extra copy to the device: only batches that ask for them pay it)."""
+        rows: list[range] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        offset = 0
+        for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            want = req.prompt_lp_rows
+            lo, hi = max(prefix, want.start), min(prefix + extend, want.stop)
+            counts.append(max(0, hi - lo))
+            if hi > lo:
+                rows.append(range(offset + lo - prefix, offset + hi - prefix))
+                targets += req.token_ids[lo + 1 : hi + 1]
+                req.prompt_lp_next = hi + 1
+            offset += extend
+        if not rows:
+            return
+        flat = torch.cat([torch.arange(r.start, r.stop) for r in rows])
+        batch.prompt_rows = flat.to(self.device, non_blocking=True)
+        batch.prompt_targets = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        batch.prompt_top = max(r.sampling_params.prompt_logprobs or 0 for r in batch.reqs)
+        batch.prompt_counts = counts
 
     def _prepare_decode(self) -> Batch | None:
         reqs = self.decode.decodable()
@@ -362,6 +393,8 @@ class Scheduler:
         out.wait()  # the only host synchronisation of a step
         tokens = out.next_tokens_host.tolist()
         logprobs = out.logprobs_host
+        if batch.prompt_counts is not None:
+            self._collect_prompt_logprobs(batch, out.prompt_logprobs_host)
         results: list[StepOutput] = []
         j = -1
         for req, sampled in zip(batch.reqs, batch.sample_mask):
@@ -371,11 +404,16 @@ class Scheduler:
             if req.finished:  # finished or aborted after this step was launched: discard
                 continue
             token = tokens[j]
-            req.token_ids.append(token)
-            finish, error = self._grammar_finish(req, token) if req.grammar is not None else (None, None)
-            finish = finish or self._finish_reason(req, token)
+            if req.sampling_params.max_tokens == 0:  # only the prompt's log-probabilities were asked for
+                token, finish, error = -1, FinishReason.LENGTH, None
+            else:
+                req.token_ids.append(token)
+                finish, error = self._grammar_finish(req, token) if req.grammar is not None else (None, None)
+                finish = finish or self._finish_reason(req, token)
             res = StepOutput(req.uid, token, finish is not None, finish, cached_tokens=req.cached_prompt_len)
             res.error = error
+            if req.prompt_logprobs is not None and len(req.token_ids) <= req.prompt_len + 1:
+                res.prompt_logprobs = req.prompt_logprobs  # with the request's first output
             if logprobs is not None and req.sampling_params.logprobs:
                 res.logprob = float(logprobs[0][j])
                 k = req.sampling_params.top_logprobs
@@ -389,6 +427,18 @@ class Scheduler:
                 self.grammar.release(req)
                 self.reqs.pop(req.uid, None)
         return results
+
+    def _collect_prompt_logprobs(self, batch: Batch, host: tuple) -> None:
+        """Give each request its rows of the step's prompt log-probabilities."""
+        token, top_vals, top_ids = host
+        start = 0
+        for req, n in zip(batch.reqs, batch.prompt_counts or []):
+            if n and not req.finished and req.prompt_logprobs is not None:
+                k = req.sampling_params.prompt_logprobs or 0
+                vals = top_vals[start : start + n, :k] if k else None
+                ids = top_ids[start : start + n, :k] if k else None
+                req.prompt_logprobs.extend(token[start : start + n], vals, ids)
+            start += n
 
     def _grammar_finish(self, req: Req, token: int) -> tuple[FinishReason | None, str | None]:
         """Advance the request's matcher: STOP once its grammar is complete (and ended by a stop token)."""
