@@ -96,6 +96,9 @@ class SamplingParams:
     # computed, never taken from the prefix cache; with prompt_logprobs set, `max_tokens` may be 0
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
+    # an embedding instead of a generation: the prompt's final hidden states pooled (the engine's
+    # --pooling) and L2-normalised; nothing is generated (max_tokens must then be 0)
+    embed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("json_schema", "structural_tag"):  # messages carry the text, not the object
@@ -116,11 +119,13 @@ class SamplingParams:
         """Raise InvalidRequest naming the offending field. Constraints are only type-checked here;
         minisgl.grammar.check_grammar parses them."""
         _validate_grammar_fields(self)
-        least = 0 if self.prompt_logprobs is not None else 1  # 0: only the prompt's log-probabilities
+        least = 0 if self.prompt_logprobs is not None or self.embed else 1  # 0: nothing is generated
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
             raise InvalidRequest(
                 f"'max_tokens' must be at least {least}, got {self.max_tokens!r}", "max_tokens"
             )
+        if self.embed and self.max_tokens != 0:
+            raise InvalidRequest("an embedding generates nothing: 'max_tokens' must be 0", "max_tokens")
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
             raise InvalidRequest(f"'prompt_logprobs' must be in [0, 20], got {k!r}", "prompt_logprobs")
@@ -254,6 +259,10 @@ class Req:
     # position whose log-probability is still to be scheduled (prompt_len: none left)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_lp_next: int = 0
+    # an embedding (SamplingParams.embed): the pooled sum of its final hidden states so far (float32), and
+    # the first position it must compute itself (0 for mean and CLS pooling: no prefix from the cache)
+    embedding: torch.Tensor | None = None
+    embed_from: int = 1 << 62
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -312,6 +321,11 @@ class Batch:
     prompt_targets: torch.Tensor | None = None
     prompt_top: int = 0
     prompt_counts: list[int] | None = None
+    # embeddings: the flat rows whose final hidden states are summed into each embedding request's vector,
+    # the index (among `embed_reqs`) of each row's request, and those requests' batch indices
+    embed_rows: torch.Tensor | None = None
+    embed_seg: torch.Tensor | None = None
+    embed_reqs: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.phase = Phase(self.phase)

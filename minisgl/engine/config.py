@@ -95,6 +95,12 @@ class EngineConfig:
         "torch: its torch reference, after the graph (auto: fused on CUDA, torch elsewhere)",
         choices=["auto", "fused", "torch"],
     )
+    pooling: str = option(
+        "auto",
+        help="how an embedding pools the prompt's final hidden states: last (token), mean, cls (the first "
+        "token); auto: what the model's sentence-transformers config names, else last",
+        choices=["auto", "last", "mean", "cls"],
+    )
     ep_size: int = option(
         1, help="expert parallelism: MoE experts split over this many of the TP ranks", min=1, aliases=["ep"]
     )

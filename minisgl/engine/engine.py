@@ -32,7 +32,7 @@ from minisgl.utils.device import (
     synchronize,
 )
 from minisgl.utils.gguf_file import GGUF_LINK
-from minisgl.utils.hf import load_hf_config, resolve_model_path
+from minisgl.utils.hf import load_hf_config, pooling_of, resolve_model_path
 
 from .config import EngineConfig
 from .cpu_step import CpuDecodeStep
@@ -49,6 +49,7 @@ class ForwardOutput:
     copy_done: Any  # event: the host copy is complete once it is synchronised
     logprobs_host: tuple | None = None  # (chosen [S], top values [S, k] | None, top ids [S, k] | None)
     prompt_logprobs_host: tuple | None = None  # Batch.prompt_rows': (target [R], top values, top ids)
+    embed_host: torch.Tensor | None = None  # [len(Batch.embed_reqs), hidden] float32 pooled sums
 
     def wait(self) -> None:
         self.copy_done.synchronize()
@@ -62,6 +63,7 @@ class Logits:
     logits: torch.Tensor
     greedy: torch.Tensor | None = None
     prompt: tuple | None = None  # Batch.prompt_rows reduced (prompt_logprobs), on the device
+    embed: torch.Tensor | None = None  # Batch.embed_rows summed per embedding request, on the device
 
 
 # rows of prompt logits computed at a time: [256, vocab] float32 at most (150 MB for 150k words), so a long
@@ -128,6 +130,7 @@ class Engine:
         self.model_dir = resolve_model_path(config.model_path, config.weights_format)
         hf_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config)
+        self.pooling = pooling_of(self.model_dir, config.pooling)  # what an embedding request pools
         self.model_config.check_tp(tp.size, tp.ep_size)  # on every rank, before any rank waits for the others
         init_process_group(tp.rank, tp.size, config.dist_init_method, self.device, config.dist_timeout)
         self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
@@ -360,7 +363,8 @@ class Engine:
             out = self.graph_runner.replay(batch)  # the greedy tokens are in the token pool already
             return Logits(out.logits[: batch.size], out.tokens[: batch.size])
         prompt_rows = batch.prompt_rows
-        if prompt_rows is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+        eager = prompt_rows is not None or batch.embed_rows is not None  # a prefill graph keeps no hidden
+        if not eager and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
             return Logits(self.prefill_graphs.replay(batch))
         self.prepare_inputs(batch)
         self.attn_backend.prepare_metadata(batch)
@@ -373,8 +377,15 @@ class Engine:
             prompt = reduce_prompt_logprobs(
                 hidden, prompt_rows, batch.prompt_targets, batch.prompt_top, self.model.compute_logits
             )
+        embed = None
+        if batch.embed_rows is not None:
+            assert batch.embed_seg is not None and batch.embed_reqs is not None
+            embed = torch.zeros(
+                len(batch.embed_reqs), hidden.shape[-1], dtype=torch.float32, device=hidden.device
+            )
+            embed.index_add_(0, batch.embed_seg, hidden[batch.embed_rows].float())
         hidden = hidden[batch.logits_idx] if batch.logits_idx is not None else hidden[: batch.size]
-        return Logits(self.model.compute_logits(hidden), prompt=prompt)
+        return Logits(self.model.compute_logits(hidden), prompt=prompt, embed=embed)
 
     @torch.inference_mode()
     def sample(self, batch: Batch, fwd: Logits, mask: TokenMask | None = None) -> ForwardOutput:
@@ -403,7 +414,8 @@ class Engine:
         prompt = None
         if fwd.prompt is not None:  # copied before the event below, which then covers it
             prompt = tuple(t.to("cpu", non_blocking=True) for t in fwd.prompt)
-        return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs, prompt)
+        embed = fwd.embed.to("cpu", non_blocking=True) if fwd.embed is not None else None
+        return ForwardOutput(next_tokens, host, self._host_tokens.used(slot), logprobs, prompt, embed)
 
     def _run_model(self, batch: Batch) -> torch.Tensor:
         """The model's final hidden states for a batch whose inputs and attention metadata are set."""

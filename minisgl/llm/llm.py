@@ -170,6 +170,8 @@ class LLM:
                     out.setdefault("top_logprobs", []).append(res.top_logprobs)
                 if res.error is not None:
                     out["error"] = res.error
+                if res.embedding is not None:
+                    out["embedding"] = res.embedding
                 if res.prompt_logprobs is not None:
                     _put_prompt_logprobs(out, res.prompt_logprobs, p_of[res.uid])
                 if res.finished:
@@ -180,6 +182,15 @@ class LLM:
         for out in outputs:
             out["text"] = self.decode(out["token_ids"])
         return outputs
+
+    def embed(self, prompts: Sequence[Prompt]) -> list[list[float]]:
+        """One embedding per prompt (text or token ids), in order: the prompt's final hidden states pooled
+        (`pooling`: last token, mean or first token; auto: the model's sentence-transformers config, else
+        last) and L2-normalised, batched through the scheduler like any request."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of strings or of token-id lists")  # noqa: TRY004
+        outs = self.generate(prompts, SamplingParams(max_tokens=0, embed=True))
+        return [out["embedding"] for out in outs]
 
     def _check_grammar(self, params: SamplingParams) -> None:
         if params.grammar is not None and self.tokenizer is None:

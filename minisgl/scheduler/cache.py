@@ -58,11 +58,13 @@ class CacheManager:
 
     def match(self, req: Req) -> int:
         """Lock the longest cached prefix of req's tokens (keeping at least one token to compute, and every
-        position whose logits give a prompt log-probability) and take its pages as req's first pages;
+        position whose logits give a prompt log-probability) and take its pages as req's first pages (an embedding
+        that pools every position, none);
         returns the cached length."""
         ps = self.page_size
         rows = req.prompt_lp_rows
-        limit = min(len(req.token_ids) - 1, rows.start if rows else len(req.token_ids)) // ps * ps
+        first = min(len(req.token_ids) - 1, rows.start if rows else len(req.token_ids), req.embed_from)
+        limit = first // ps * ps
         result = self.cache.match_prefix(req.token_ids[:limit])
         self.cache.lock(result.handle)
         req.cache_handle, req.prefix_cache_len = result.handle, result.length

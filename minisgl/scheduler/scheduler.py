@@ -46,6 +46,7 @@ class StepOutput:
     cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache (Req.cached_prompt_len)
     error: str | None = None  # why a request ended with FinishReason.ERROR (token_id -1: no token)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token (SamplingParams.prompt_logprobs)
+    embedding: list[float] | None = None  # an embedding request's pooled, L2-normalised vector
 
 
 class Scheduler:
@@ -130,6 +131,8 @@ class Scheduler:
         max_tokens = self.max_seq_len if params.max_tokens is None else params.max_tokens
         # a request alone must always fit in the pool, or retraction could not make progress
         req.max_total_len = min(len(input_ids) + max_tokens, self.max_seq_len, self.pool_tokens)
+        if params.embed and self.engine.pooling != "last":
+            req.embed_from = 0  # every position is pooled (mean), or the first (cls): none from the cache
         self.reqs[uid] = req
         if params.grammar is not None:
             self.grammar.add(req)  # joins the prefill queue once its grammar is compiled
@@ -255,6 +258,7 @@ class Scheduler:
             pt_slots.append(slots[start:])
             req.table_len = end
         self._prompt_rows(batch)
+        self._embed_rows(batch)
         ends = torch.tensor(plan.extend_lens).cumsum(0) - 1
         sampled = [i for i, s in enumerate(sample_mask) if s]
         prefill_parts = (
@@ -302,6 +306,31 @@ class Scheduler:
         batch.prompt_targets = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
         batch.prompt_top = max(r.sampling_params.prompt_logprobs or 0 for r in batch.reqs)
         batch.prompt_counts = counts
+
+    def _embed_rows(self, batch: Batch) -> None:
+        """The rows of this prefill that embedding requests pool (all for mean, the first for cls, the last
+        for last), summed per request by the engine."""
+        rows: list[torch.Tensor] = []
+        seg: list[int] = []
+        reqs: list[int] = []
+        offset = 0
+        for i, (req, prefix, extend) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+            if req.sampling_params.embed:
+                pooling = self.engine.pooling
+                lo, hi = offset, offset + extend  # mean: every row of the chunk
+                if pooling == "cls":
+                    hi = offset + 1 if prefix == 0 else offset
+                elif pooling == "last":
+                    lo = offset + extend - 1 if prefix + extend == req.prompt_len else hi
+                if hi > lo:
+                    rows.append(torch.arange(lo, hi))
+                    seg += [len(reqs)] * (hi - lo)
+                    reqs.append(i)
+            offset += extend
+        if reqs:
+            batch.embed_rows = torch.cat(rows).to(self.device, non_blocking=True)
+            batch.embed_seg = torch.tensor(seg, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch.embed_reqs = reqs
 
     def _prepare_decode(self) -> Batch | None:
         reqs = self.decode.decodable()
@@ -395,6 +424,10 @@ class Scheduler:
         logprobs = out.logprobs_host
         if batch.prompt_counts is not None:
             self._collect_prompt_logprobs(batch, out.prompt_logprobs_host)
+        for k, i in enumerate(batch.embed_reqs or []):
+            req = batch.reqs[i]
+            part = out.embed_host[k]
+            req.embedding = part if req.embedding is None else req.embedding + part
         results: list[StepOutput] = []
         j = -1
         for req, sampled in zip(batch.reqs, batch.sample_mask):
@@ -404,7 +437,7 @@ class Scheduler:
             if req.finished:  # finished or aborted after this step was launched: discard
                 continue
             token = tokens[j]
-            if req.sampling_params.max_tokens == 0:  # only the prompt's log-probabilities were asked for
+            if req.sampling_params.max_tokens == 0:  # an embedding, or only the prompt's log-probabilities
                 token, finish, error = -1, FinishReason.LENGTH, None
             else:
                 req.token_ids.append(token)
@@ -414,6 +447,8 @@ class Scheduler:
             res.error = error
             if req.prompt_logprobs is not None and len(req.token_ids) <= req.prompt_len + 1:
                 res.prompt_logprobs = req.prompt_logprobs  # with the request's first output
+            if req.sampling_params.embed and req.embedding is not None:
+                res.embedding = self._pooled(req)
             if logprobs is not None and req.sampling_params.logprobs:
                 res.logprob = float(logprobs[0][j])
                 k = req.sampling_params.top_logprobs
@@ -427,6 +462,13 @@ class Scheduler:
                 self.grammar.release(req)
                 self.reqs.pop(req.uid, None)
         return results
+
+    def _pooled(self, req: Req) -> list[float]:
+        """An embedding request's vector: its pooled sum (a mean divides by the prompt's length),
+        L2-normalised."""
+        assert req.embedding is not None
+        v = req.embedding / req.prompt_len if self.engine.pooling == "mean" else req.embedding
+        return (v / v.norm().clamp_min(1e-12)).tolist()
 
     def _collect_prompt_logprobs(self, batch: Batch, host: tuple) -> None:
         """Give each request its rows of the step's prompt log-probabilities."""
