@@ -209,19 +209,26 @@ def _validate_logit_bias(bias: Any) -> None:
 @dataclass
 class PromptLogprobs:
     """A prompt's log-probabilities under the model's raw distribution, from prompt position `start` (at
-    least 1) to its end: `token[i]` is that of prompt token start + i given the tokens before it, and
-    `top_ids[i]` / `top_logprobs[i]` the k most likely tokens there, most likely first."""
+    least 1) to its end: `token[i]` is that of prompt token start + i given the tokens before it, `rank[i]`
+    its rank there (1: the most likely), and `top_ids[i]` / `top_logprobs[i]` the k most likely tokens
+    there, most likely first."""
 
     start: int
     token: list[float] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
 
     def extend(
-        self, token: torch.Tensor, top_vals: torch.Tensor | None, top_ids: torch.Tensor | None
+        self,
+        token: torch.Tensor,
+        rank: torch.Tensor,
+        top_vals: torch.Tensor | None,
+        top_ids: torch.Tensor | None,
     ) -> None:
         """Append one chunk's rows (host tensors)."""
         self.token += token.tolist()
+        self.rank += rank.tolist()
         n = token.numel()
         self.top_logprobs += top_vals.tolist() if top_vals is not None else [[] for _ in range(n)]
         self.top_ids += top_ids.tolist() if top_ids is not None else [[] for _ in range(n)]

@@ -27,6 +27,12 @@ def assert_equal_hf(out: dict, prompt: list[int], ref: torch.Tensor, k: int, sta
     assert len(lps) == len(prompt) and lps[:first] == [None] * first
     expected = ref[torch.arange(first - 1, len(prompt) - 1), torch.tensor(prompt[first:])]
     assert torch.allclose(torch.tensor(lps[first:]), expected, atol=TOL, rtol=0)
+    ranks = out["prompt_logprob_ranks"]
+    assert ranks[:first] == [None] * first
+    for p in range(first, len(prompt)):  # the rank: 1 + the tokens more likely, but for float32 near-ties
+        above = int((ref[p - 1] > expected[p - first] + TOL).sum())
+        level = int((ref[p - 1] >= expected[p - first] - TOL).sum())
+        assert above + 1 <= ranks[p] <= level, (p, ranks[p], above, level)
     if k == 0:
         assert tops is None
         return

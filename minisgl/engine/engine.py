@@ -48,7 +48,7 @@ class ForwardOutput:
     next_tokens_host: torch.Tensor  # the same, copied asynchronously to (pinned) host memory
     copy_done: Any  # event: the host copy is complete once it is synchronised
     logprobs_host: tuple | None = None  # (chosen [S], top values [S, k] | None, top ids [S, k] | None)
-    prompt_logprobs_host: tuple | None = None  # Batch.prompt_rows': (target [R], top values, top ids)
+    prompt_logprobs_host: tuple | None = None  # Batch.prompt_rows': target [R], rank [R], top values, ids
     embed_host: torch.Tensor | None = None  # [len(Batch.embed_reqs), hidden] float32 pooled sums
 
     def wait(self) -> None:
@@ -73,19 +73,21 @@ PROMPT_LOGPROB_ROWS = 256
 
 def reduce_prompt_logprobs(
     hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, top: int, compute_logits: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each row of `hidden` in `rows`: the float32 log-probability of its target and the top `top`
-    (values, ids), the logits of PROMPT_LOGPROB_ROWS rows at a time."""
-    chosen, vals, ids = [], [], []
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row of `hidden` in `rows`: the float32 log-probability of its target, the target's rank
+    (1: the most likely) and the top `top` (values, ids); the logits of PROMPT_LOGPROB_ROWS rows at a time."""
+    chosen, ranks, vals, ids = [], [], [], []
     for i in range(0, rows.numel(), PROMPT_LOGPROB_ROWS):
         block = slice(i, i + PROMPT_LOGPROB_ROWS)
         logp = torch.log_softmax(compute_logits(hidden[rows[block]]).float(), dim=-1)
-        chosen.append(logp.gather(-1, targets[block, None]).squeeze(-1))
+        target = logp.gather(-1, targets[block, None])
+        chosen.append(target.squeeze(-1))
+        ranks.append((logp > target).sum(-1, dtype=torch.int32) + 1)
         v, k = logp.topk(top, dim=-1)
         vals.append(v)
         ids.append(k.to(torch.int32))
         del logp
-    return torch.cat(chosen), torch.cat(vals), torch.cat(ids)
+    return torch.cat(chosen), torch.cat(ranks), torch.cat(vals), torch.cat(ids)
 
 
 def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:

@@ -35,6 +35,7 @@ def _load_tokenizer(model_dir: str) -> Any:
 def _put_prompt_logprobs(out: dict[str, Any], lp: PromptLogprobs, params: SamplingParams) -> None:
     """A request's prompt log-probabilities in its output dict, one entry per prompt position."""
     out["prompt_logprobs"] = [None] * lp.start + lp.token
+    out["prompt_logprob_ranks"] = [None] * lp.start + lp.rank
     if params.prompt_logprobs:
         pairs = [list(zip(ids, vals)) for ids, vals in zip(lp.top_ids, lp.top_logprobs)]
         out["prompt_top_logprobs"] = [None] * lp.start + pairs
@@ -124,8 +125,9 @@ class LLM:
         with `top_logprobs=k`, `top_logprobs` (per token, k (id, logprob) pairs); `error` when a request
         ended with finish_reason "error". With `prompt_logprobs=k` also `prompt_logprobs` (per prompt
         position: None before `prompt_logprobs_start` and at position 0, else the log-probability of that
-        prompt token given the ones before) and, for k > 0, `prompt_top_logprobs` (k (id, logprob) pairs per
-        position, None where the other is); `max_tokens=0` then generates nothing.
+        prompt token given the ones before), `prompt_logprob_ranks` (its rank there, 1: the most likely)
+        and, for k > 0, `prompt_top_logprobs` (k (id, logprob) pairs per position, None where the others
+        are); `max_tokens=0` then generates nothing.
 
         A SamplingParams with `json_schema`, `regex`, `ebnf` or `structural_tag` constrains its output
         (minisgl/grammar.py): it ends with "stop" once the constraint is complete.

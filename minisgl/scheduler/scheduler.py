@@ -472,14 +472,14 @@ class Scheduler:
 
     def _collect_prompt_logprobs(self, batch: Batch, host: tuple) -> None:
         """Give each request its rows of the step's prompt log-probabilities."""
-        token, top_vals, top_ids = host
+        token, rank, top_vals, top_ids = host
         start = 0
         for req, n in zip(batch.reqs, batch.prompt_counts or []):
             if n and not req.finished and req.prompt_logprobs is not None:
                 k = req.sampling_params.prompt_logprobs or 0
                 vals = top_vals[start : start + n, :k] if k else None
                 ids = top_ids[start : start + n, :k] if k else None
-                req.prompt_logprobs.extend(token[start : start + n], vals, ids)
+                req.prompt_logprobs.extend(token[start : start + n], rank[start : start + n], vals, ids)
             start += n
 
     def _grammar_finish(self, req: Req, token: int) -> tuple[FinishReason | None, str | None]:
