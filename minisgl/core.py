@@ -214,6 +214,7 @@ class PromptLogprobs:
     there, most likely first."""
 
     start: int
+    ids: list[int] = field(default_factory=list)  # the whole prompt's token ids
     token: list[float] = field(default_factory=list)
     rank: list[int] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
@@ -278,7 +279,7 @@ class Req:
         self.prompt_lp_next = self.prompt_len
         if k is not None:
             self.prompt_lp_next = max(self.sampling_params.prompt_logprobs_start, 1)
-            self.prompt_logprobs = PromptLogprobs(self.prompt_lp_next)
+            self.prompt_logprobs = PromptLogprobs(self.prompt_lp_next, self.token_ids[: self.prompt_len])
 
     @property
     def prompt_lp_rows(self) -> range:

@@ -89,9 +89,9 @@ def thinking_model(default_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def thinking_service(thinking_model, tmp_path_factory) -> Iterator[Service]:
-    """The service on `thinking_model`, served as "m": one for the tokenizer endpoints', the reasoning
-    and the Responses API tests."""
+def shared_service(thinking_model, tmp_path_factory) -> Iterator[Service]:
+    """The service on `thinking_model` (the default model), served as "m": one for the tests of the
+    tokenizer endpoints, reasoning, the Responses API, prompt log-probabilities and embeddings."""
     args = ["--model", thinking_model, *THINKING_SERVICE_ARGS, "--served-model-name", "m"]
-    with serving(args, tmp_path_factory.mktemp("thinking_service") / "server.log") as service:
+    with serving(args, tmp_path_factory.mktemp("shared_service") / "server.log") as service:
         yield service

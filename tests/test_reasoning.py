@@ -111,8 +111,8 @@ def test_a_forced_tool_call_comes_after_the_reasoning():
 
 # ---- through the service ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def client(thinking_service):
-    return openai.OpenAI(base_url=f"{thinking_service.url}/v1", api_key="none", timeout=300, max_retries=0)
+def client(shared_service):
+    return openai.OpenAI(base_url=f"{shared_service.url}/v1", api_key="none", timeout=300, max_retries=0)
 
 
 def both_ways(client, extra: dict, **kw):

@@ -20,8 +20,8 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def client(thinking_service):
-    return openai.OpenAI(base_url=f"{thinking_service.url}/v1", api_key="none", timeout=300, max_retries=0)
+def client(shared_service):
+    return openai.OpenAI(base_url=f"{shared_service.url}/v1", api_key="none", timeout=300, max_retries=0)
 
 
 def chat_text(client, messages, **kw) -> str:
@@ -163,8 +163,8 @@ def test_a_conversation_of_items_becomes_chat_messages():
         ({"input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
     ],
 )
-def test_what_cannot_be_translated_is_a_400_naming_the_responses_field(thinking_service, body, param):
-    r = httpx.post(f"{thinking_service.url}/v1/responses", json=body, timeout=60)
+def test_what_cannot_be_translated_is_a_400_naming_the_responses_field(shared_service, body, param):
+    r = httpx.post(f"{shared_service.url}/v1/responses", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     if param != "max_output_tokens":  # that one is the chat path's rule, under the Responses name

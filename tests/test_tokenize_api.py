@@ -24,8 +24,8 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def http(thinking_service):
-    with httpx.Client(base_url=thinking_service.url, timeout=300) as c:
+def http(shared_service):
+    with httpx.Client(base_url=shared_service.url, timeout=300) as c:
         yield c
 
 

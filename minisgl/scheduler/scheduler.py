@@ -11,6 +11,7 @@ matchers), then the masks are filled and step N samples. A step with no constrai
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,16 @@ class StepOutput:
     error: str | None = None  # why a request ended with FinishReason.ERROR (token_id -1: no token)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token (SamplingParams.prompt_logprobs)
     embedding: list[float] | None = None  # an embedding request's pooled, L2-normalised vector
+
+    def extras(self) -> dict[str, Any] | None:
+        """The once-per-request payloads as plain data (the messages carry them): `prompt_logprobs` (a
+        PromptLogprobs' fields) and `embedding`."""
+        out: dict[str, Any] = {}
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = dataclasses.asdict(self.prompt_logprobs)
+        if self.embedding is not None:
+            out["embedding"] = self.embedding
+        return out or None
 
 
 class Scheduler:

@@ -265,3 +265,5 @@ def _append(batch: TokenBatch, out: StepOutput) -> None:
         batch.cached_tokens[i] = out.cached_tokens
     if out.error is not None:
         batch.errors[i] = (out.error, None)
+    if (extras := out.extras()) is not None:
+        batch.extras[i] = extras

@@ -98,9 +98,16 @@ class Sampling:
 
 
 def sampling(
-    req: SamplingBody, max_tokens: int | None, names: FieldNames, logprobs: bool, top_logprobs: int
+    req: SamplingBody,
+    max_tokens: int | None,
+    names: FieldNames,
+    logprobs: bool,
+    top_logprobs: int,
+    prompt_logprobs: int | None = None,
+    prompt_logprobs_start: int = 0,
 ) -> Sampling:
-    """The SamplingParams of a body (no `max_tokens`: up to the context), checked by the shared rules."""
+    """The SamplingParams of a body (no `max_tokens`: up to the context), checked by the shared rules;
+    `prompt_logprobs`: the prompt's own log-probabilities (and top k) from `prompt_logprobs_start` on."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     _check_stops(stops, req.stop_token_ids or [])
     params = SamplingParams(
@@ -118,6 +125,8 @@ def sampling(
         presence_penalty=_real(req.presence_penalty, 0.0),
         repetition_penalty=_real(req.repetition_penalty, 1.0),
         logit_bias=logit_bias(req.logit_bias),
+        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs_start=prompt_logprobs_start,
     )
     try:
         params.validate()

@@ -134,7 +134,8 @@ class CompletionRequest(SamplingBody):
 
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     logprobs: Int64 | None = None
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt first in `text` (and its tokens first in `logprobs`)
+    prompt_logprobs: Int64 | None = None  # vLLM's: the prompt's log-probabilities and top k per position
     response_format: ResponseFormat | None = None
 
 
@@ -148,6 +149,12 @@ class GenerateRequest(_Body):
     stream: bool | None = None
     max_tokens: Int64 | None = None
     max_new_tokens: Int64 | None = None
+    # SGLang's log-probabilities: of the output tokens (and, from prompt position `logprob_start_len` when
+    # it is >= 0, of the prompt's), with the top `top_logprobs_num` and, asked for, the tokens' texts
+    return_logprob: bool = False
+    logprob_start_len: Int64 = -1
+    top_logprobs_num: Int64 = 0
+    return_text_in_logprobs: bool = False
 
     @model_validator(mode="after")
     def _top_level_max_tokens(self) -> GenerateRequest:
@@ -189,7 +196,6 @@ def _is_off(value: Any) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,  # several candidates ranked by logprob: not implemented
     "suffix": _is_off,  # insertion (fill-in-the-middle)
-    "echo": _is_off,  # the prompt echoed in the completion
     "functions": _is_off,  # the deprecated form of `tools`
     "function_call": lambda v: v is None or v == "none",
     "audio": _is_off,

@@ -12,6 +12,7 @@ import orjson
 
 from minisgl.message import TokenLogprob, UserReply
 
+from .prompt_logprobs import Piece, completion_prompt, sglang_input, vllm_prompt
 from .reasoning import CLOSED, ReasoningFormat, ReasoningSplitter, ReasoningText, split
 from .routing import ChoiceState, Generation
 from .tool_parser import (
@@ -76,6 +77,17 @@ class Renderer:
     def stream_start(self, gen: Generation) -> list[bytes]:
         """Chunks sent before the first token."""
         return []
+
+    def token_ids(self, gen: Generation) -> list[int]:
+        """The tokens whose texts `full` will show apart from the output's (the prompt's, with its
+        log-probabilities): decoded in a thread before it runs."""
+        ids: list[int] = []
+        for c in gen.choices:
+            lp = c.prompt_logprobs
+            if lp is not None:
+                ids += lp.ids
+                ids += [t for top in lp.top_ids for t in top]
+        return ids
 
     def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
         """The chunk for one reply of choice `c` (`offset`: characters of `c` already sent)."""
@@ -299,11 +311,46 @@ class ChatRenderer(_OpenAIRenderer):
         }
 
 
+@dataclass
 class CompletionRenderer(_OpenAIRenderer):
-    """/v1/completions: `text_completion` bodies and chunks."""
+    """/v1/completions: `text_completion` bodies and chunks. With `echo` (the text of each prompt, by
+    prompt index) the prompt comes first in `text` and, with logprobs, its tokens first in `logprobs`
+    (the first one's entries null, as OpenAI's); `prompt_logprobs` adds vLLM's field of that name.
+    `piece` is a token's text (decoded alone), for the prompt's tokens."""
 
     OBJECT = "text_completion"
     CHUNK_OBJECT = "text_completion"
+    echo: list[str] | None = None
+    top: int = 0  # `logprobs`: the alternatives shown per position
+    prompt_logprobs: bool = False
+    piece: Piece | None = None
+
+    def _prompt_part(self, c: ChoiceState) -> tuple[str, dict[str, list[Any]] | None]:
+        """The echoed prompt's text and its logprobs lists (None without logprobs)."""
+        if self.echo is None:
+            return "", None
+        text = self.echo[c.prompt_index]
+        lp = c.prompt_logprobs
+        if not self.logprobs or lp is None or self.piece is None:
+            return text, None
+        return text, completion_prompt(lp.ids, lp, self.piece, self.top)
+
+    def _extra(self, c: ChoiceState) -> dict[str, Any]:
+        if not self.prompt_logprobs or self.piece is None:
+            return {}
+        lp = c.prompt_logprobs
+        return {"prompt_logprobs": vllm_prompt(lp.ids, lp, self.piece) if lp is not None else None}
+
+    def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
+        if (self.echo is None and not self.prompt_logprobs) or c.index in self._started:
+            return super().stream_delta(c, reply, offset)
+        self._started.add(c.index)  # the first reply: the prompt comes first
+        prompt, prompt_lps = self._prompt_part(c)
+        lps = reply.logprobs if self.logprobs else None
+        choice = self._delta(c, prompt + reply.text, lps, len(prompt))
+        if prompt_lps is not None:
+            choice["logprobs"] = _joined(prompt_lps, choice["logprobs"])
+        return self._chunk([dict(choice, **self._extra(c), finish_reason=None)])
 
     def _delta(
         self, c: ChoiceState, text: str, lps: list[TokenLogprob] | None, offset: int
@@ -311,29 +358,62 @@ class CompletionRenderer(_OpenAIRenderer):
         return {"index": c.index, "text": text, "logprobs": completion_logprobs(lps, offset) if lps else None}
 
     def _final(self, c: ChoiceState) -> dict[str, Any]:
+        prompt, prompt_lps = self._prompt_part(c)
+        lps = completion_logprobs(c.logprobs, len(prompt)) if self.logprobs else None
+        if prompt_lps is not None:
+            lps = _joined(prompt_lps, lps)
         return {
             "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(c.logprobs) if self.logprobs else None,
+            "text": prompt + c.text,
+            "logprobs": lps,
             "finish_reason": c.finish_reason,
+            **self._extra(c),
         }
 
+    def __post_init__(self) -> None:
+        self._started: set[int] = set()
 
+
+def _joined(first: dict[str, list[Any]], then: dict[str, list[Any]] | None) -> dict[str, list[Any]]:
+    """Two sets of completions' parallel logprob lists, one after the other."""
+    return {k: v + (then[k] if then else []) for k, v in first.items()}
+
+
+@dataclass
 class GenerateRenderer(Renderer):
-    """/generate: SGLang's native shape, text and output ids with a meta_info per choice."""
+    """/generate: SGLang's native shape, text and output ids with a meta_info per choice; with
+    `logprobs` (SGLang's `return_logprob`) its `output_token_logprobs` / `output_top_logprobs` and, from
+    prompt position `input_start` (`logprob_start_len` >= 0), `input_token_logprobs` / `input_top_logprobs`:
+    [logprob, token id, text] triples, the text only with `texts` (`return_text_in_logprobs`)."""
 
-    @staticmethod
-    def _meta(c: ChoiceState, finished: bool) -> dict[str, Any]:
-        return {
+    input_start: int | None = None
+    texts: bool = False
+    piece: Piece | None = None
+
+    def _meta(self, c: ChoiceState, finished: bool, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
             "id": c.uid,
             "prompt_tokens": c.prompt_tokens,
             "cached_tokens": c.cached_tokens,
             "completion_tokens": c.completion_tokens,
             "finish_reason": {"type": c.finish_reason} if finished else None,
         }
+        if self.logprobs:
+            lps = c.logprobs if lps is None else lps
+            meta["output_token_logprobs"] = [[t.logprob, t.token_id, self._text(t.token)] for t in lps]
+            meta["output_top_logprobs"] = [[[v, i, self._text(s)] for s, i, v in t.top] for t in lps]
+            if self.input_start is not None and c.prompt_logprobs is not None:
+                lp = c.prompt_logprobs
+                piece = self.piece if self.texts else None
+                tokens, top = sglang_input(lp.ids, lp, self.input_start, piece)
+                meta["input_token_logprobs"], meta["input_top_logprobs"] = tokens, top
+        return meta
+
+    def _text(self, s: str) -> str | None:
+        return s if self.texts else None
 
     def stream_delta(self, c: ChoiceState, reply: UserReply, offset: int) -> bytes | None:
-        meta = self._meta(c, reply.finished)
+        meta = self._meta(c, reply.finished, reply.logprobs or [])
         return sse({"index": c.index, "text": reply.text, "output_ids": reply.token_ids, "meta_info": meta})
 
     def full(self, gen: Generation) -> Any:

@@ -23,10 +23,12 @@ from starlette.exceptions import HTTPException
 from minisgl.message import TokenizeMsg, UserReply
 from minisgl.tokenizer import chat_text
 from minisgl.utils import init_logger
+from minisgl.utils.hf import load_hf_config
 
 from ..args import ServerArgs
 from .auth import APIKeyMiddleware
 from .constraints import Constraint, requested, single
+from .embeddings import EmbeddingRenderer, EmbeddingRequest, embedding_msgs
 from .errors import (
     SERVER_ERROR,
     APIError,
@@ -185,6 +187,7 @@ class OpenAIServer:
             if not job.stream:
                 while not gen.done:
                     _check((await gen.next(request))[1], job.names)
+                await self.tokenizer.warm(job.renderer.token_ids(gen))
                 return JSONResponse(job.renderer.full(gen))
             first = await gen.next(request)
             _check(first[1], job.names)
@@ -302,22 +305,37 @@ class OpenAIServer:
         req: CompletionRequest = parse(CompletionRequest, data)
         model = self.model_name(req.model)
         prompt_list = prompts(req.prompt, "prompt", self.limits)
-        if req.echo:
-            raise APIError("'echo' is not supported", "echo", "unsupported_parameter")
-        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-            raise APIError(f"'logprobs' must be in [0, 5], got {req.logprobs}", "logprobs", "invalid_value")
+        k = req.logprobs
+        if k is not None and not 0 <= k <= 5:
+            raise APIError(f"'logprobs' must be in [0, 5], got {k}", "logprobs", "invalid_value")
+        echo = bool(req.echo)
+        # the prompt's own log-probabilities: vLLM's prompt_logprobs, or echo with logprobs (OpenAI's)
+        wanted = [x for x in (req.prompt_logprobs, k if echo else None) if x is not None]
+        prompt_k = max(wanted) if wanted else None
+        if echo and req.max_tokens == 0 and prompt_k is None:
+            prompt_k = 0  # nothing is generated: the request only reads its prompt
         names = FieldNames("prompt")
         auto = req.max_tokens is None  # OpenAI's default: at most 16 tokens, fewer where the context ends
         max_tokens = COMPLETIONS_MAX_TOKENS if auto else req.max_tokens
-        s = sampling(req, max_tokens, names, req.logprobs is not None, req.logprobs or 0)
+        s = sampling(req, max_tokens, names, k is not None, k or 0, prompt_logprobs=prompt_k)
         constrain(s, requested(req, req.response_format))
         self.frontend.metrics.requests.labels("completions").inc()
         msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
+        echoed = None
+        if echo:  # each prompt's text as given, or its token ids decoded
+            echoed = [
+                text if text is not None else await self.tokenizer.decode(ids or [])
+                for text, ids in prompt_list
+            ]
         renderer = CompletionRenderer(
             model,
             f"cmpl-{next(_rids)}",
             include_usage=req.include_usage,
-            logprobs=req.logprobs is not None,
+            logprobs=k is not None,
+            echo=echoed,
+            top=k or 0,
+            prompt_logprobs=req.prompt_logprobs is not None,
+            piece=self.tokenizer.piece,
         )
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
 
@@ -333,12 +351,41 @@ class OpenAIServer:
             raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
         names = FieldNames(param, "max_new_tokens")
         auto = max_new is None  # SGLang's default: at most 128 new tokens, fewer where the context ends
-        s = sampling(sp, GENERATE_MAX_NEW_TOKENS if auto else max_new, names, False, 0)
+        top, start = req.top_logprobs_num, req.logprob_start_len
+        prompt_k = top if req.return_logprob and start >= 0 else None  # SGLang: -1 is the output's only
+        max_tokens = GENERATE_MAX_NEW_TOKENS if auto else max_new
+        s = sampling(sp, max_tokens, names, req.return_logprob, top, prompt_k, max(start, 0))
         constrain(s, requested(sp, None))
         self.frontend.metrics.requests.labels("generate").inc()
         msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
-        renderer = GenerateRenderer(self.args.model_name, f"gen-{next(_rids)}")
+        renderer = GenerateRenderer(
+            self.args.model_name,
+            f"gen-{next(_rids)}",
+            logprobs=req.return_logprob,
+            input_start=start if prompt_k is not None else None,
+            texts=req.return_text_in_logprobs,
+            piece=self.tokenizer.piece,
+        )
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
+
+    @functools.cached_property
+    def hidden_size(self) -> int:
+        """The model's hidden size: the length of its embeddings."""
+        config = load_hf_config(self.args.model_path)
+        return int(getattr(config, "hidden_size", 0) or config.get_text_config().hidden_size)
+
+    async def embeddings(self, request: Request, data: dict[str, Any]) -> Response:
+        """POST /v1/embeddings: one embedding per input, computed beside generation (embeddings.py)."""
+        req: EmbeddingRequest = parse(EmbeddingRequest, data)
+        model = self.model_name(req.model)
+        msgs = embedding_msgs(req, self.limits, self.hidden_size)
+        self.frontend.metrics.requests.labels("embeddings").inc()
+        renderer = EmbeddingRenderer(
+            model, f"embd-{next(_rids)}", dimensions=req.dimensions, encoding=req.encoding_format
+        )
+        return await self.run(
+            request, Job(renderer, msgs, list(range(len(msgs))), False, FieldNames("input"))
+        )
 
     async def tokenize(self, request: Request, data: dict[str, Any]) -> Response:
         body: TokenizeBody = parse(TokenizeBody, data)
@@ -419,6 +466,10 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         return await server.guarded(request, server.generate)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await server.guarded(request, server.embeddings)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
+from minisgl.core import PromptLogprobs
 from minisgl.message import (
     AbortMsg,
     FlushCacheMsg,
@@ -141,6 +142,8 @@ class ChoiceState:
     completion_tokens: int = 0
     first_token: float | None = None
     last_token: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # asked for (SamplingParams.prompt_logprobs)
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 class Generation:
@@ -233,6 +236,10 @@ class Generation:
         c.logprobs += reply.logprobs or []
         c.prompt_tokens = reply.prompt_tokens or c.prompt_tokens
         c.cached_tokens = reply.cached_tokens or c.cached_tokens
+        if reply.extras:
+            if "prompt_logprobs" in reply.extras:
+                c.prompt_logprobs = PromptLogprobs(**reply.extras["prompt_logprobs"])
+            c.embedding = reply.extras.get("embedding", c.embedding)
         c.completion_tokens = reply.completion_tokens or c.completion_tokens + len(reply.token_ids)
         if reply.finished:
             self.unfinished.discard(c.uid)

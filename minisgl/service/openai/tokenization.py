@@ -51,6 +51,7 @@ class ServerTokenizer:
         self.model_path, self.limits = model_path, limits
         self._tokenizer: Any = None
         self._lock = threading.Lock()
+        self._pieces: dict[int, str] = {}  # token id -> its text decoded alone (bounded by the vocabulary)
 
     def get(self) -> Any:
         """The Hugging Face tokenizer (loads it on the first call; blocking: call it in a thread)."""
@@ -58,6 +59,27 @@ class ServerTokenizer:
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(self.model_path)
             return self._tokenizer
+
+    def piece(self, token: int) -> str:
+        """A token's text decoded alone, as the detokenizer shows a generated token's (cached)."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.get().decode([token])
+        return text
+
+    async def warm(self, ids: list[int]) -> None:
+        """Decode these tokens' texts in a thread, so that rendering them later does not hold the event
+        loop (a long prompt's log-probabilities name thousands of tokens)."""
+        new = list({t for t in ids if t not in self._pieces})
+        if new:
+            await asyncio.to_thread(lambda: [self.piece(t) for t in new])
+
+    async def encode(self, text: str) -> list[int]:
+        """A prompt's ids, as the tokenizer worker encodes a text prompt (in a thread)."""
+        return await asyncio.to_thread(lambda: list(self.get().encode(text)))
+
+    async def decode(self, ids: list[int]) -> str:
+        return await asyncio.to_thread(lambda: self.get().decode(ids))
 
     async def tokenize(self, body: TokenizeBody, max_model_len: int) -> dict[str, Any]:
         """vLLM's TokenizeResponse: `count`, `max_model_len`, `tokens` (and `token_strs` when asked)."""
