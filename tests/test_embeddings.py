@@ -83,3 +83,56 @@ def test_the_pooling_comes_from_the_sentence_transformers_config(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
     assert pooling_of(str(tmp_path)) == "cls"
     assert pooling_of(str(tmp_path), "last") == "last"  # --pooling wins
+
+
+# ---- POST /v1/embeddings through the service (the default model: last-token pooling) ---------------------
+@pytest.fixture(scope="module")
+def client(shared_service):
+    import openai
+
+    return openai.OpenAI(base_url=f"{shared_service.url}/v1", api_key="none", timeout=300, max_retries=0)
+
+
+def test_the_embeddings_endpoint_equals_hf_for_strings_and_token_ids(client, thinking_model):
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    base = AutoModel.from_pretrained(thinking_model, dtype=torch.float32).eval()
+    ids = [tok.encode(p) for p in PROMPTS]
+    r = client.embeddings.create(model="m", input=PROMPTS)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens == sum(map(len, ids))
+    for d, p in zip(r.data, ids):
+        assert torch.allclose(torch.tensor(d.embedding), hf_embedding(base, p, "last"), atol=TOL, rtol=0)
+    one = client.embeddings.create(model="m", input=ids[1]).data[0].embedding  # token ids
+    assert torch.allclose(torch.tensor(one), hf_embedding(base, ids[1], "last"), atol=TOL, rtol=0)
+    short = client.embeddings.create(model="m", input=PROMPTS[0], dimensions=16).data[0].embedding
+    full = hf_embedding(base, ids[0], "last")[:16]
+    assert torch.allclose(
+        torch.tensor(short), full / full.norm(), atol=TOL, rtol=0
+    )  # Matryoshka: renormalised
+    # base64: little-endian float32 (the SDK asks for it by default and decodes it; here by hand)
+    import base64
+
+    import httpx
+
+    body = {"input": PROMPTS[0], "encoding_format": "base64"}
+    raw = httpx.post(f"{client.base_url}embeddings", json=body, timeout=60).json()["data"][0]["embedding"]
+    decoded = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.float32)
+    assert torch.allclose(decoded, hf_embedding(base, ids[0], "last"), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "a", "dimensions": 0}, "dimensions"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+    ],
+)
+def test_bad_embedding_requests_are_400_naming_the_field(shared_service, body, param):
+    import httpx
+
+    r = httpx.post(f"{shared_service.url}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -102,3 +102,117 @@ def test_bad_prompt_logprobs_are_refused_naming_the_field(tiny):
             with pytest.raises(InvalidRequest) as e:
                 llm.generate([[1, 2, 3]], params)
             assert e.value.param == field
+
+
+# ---- through the service: OpenAI's echo, vLLM's prompt_logprobs, SGLang's input_token_logprobs ------------
+TEXTS = ["The capital of France is Paris. The capital of Italy is", "Question: what is 2 + 2?\nAnswer: 4"]
+
+
+@pytest.fixture(scope="module")
+def hf_default(thinking_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(thinking_model, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(thinking_model)
+
+
+@pytest.fixture(scope="module")
+def http(shared_service):
+    import httpx
+
+    with httpx.Client(base_url=shared_service.url, timeout=300) as c:
+        yield c
+
+
+def completion(http, **body) -> dict:
+    r = http.post("/v1/completions", json={"temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_gives_every_prompt_token_its_hf_logprob_batched_with_a_cached_prefix(http, hf_default):
+    model, tok = hf_default
+    ids = [tok.encode(t) for t in TEXTS]
+    completion(http, prompt=ids[0][:20], max_tokens=1)  # a prefix of the first prompt is cached now
+    # what lm-evaluation-harness sends for loglikelihood: token ids, echo, logprobs 1, max_tokens 1
+    body = completion(http, prompt=ids, echo=True, logprobs=1, max_tokens=1)
+    for choice, prompt in zip(sorted(body["choices"], key=lambda c: c["index"]), ids):
+        ref = hf_logprobs(model, prompt)
+        lps = choice["logprobs"]
+        n = len(prompt)
+        assert len(lps["tokens"]) == n + 1 and lps["tokens"][:n] == [tok.decode([t]) for t in prompt]
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None  # as OpenAI's
+        expected = ref[torch.arange(n - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(torch.tensor(lps["token_logprobs"][1:n]), expected, atol=TOL, rtol=0)
+        tops = [max(d.values()) for d in lps["top_logprobs"][1:n]]  # lm-eval's is_greedy reads these
+        assert torch.allclose(torch.tensor(tops), ref[: n - 1].max(-1).values, atol=TOL, rtol=0)
+        assert choice["text"].startswith(tok.decode(prompt)) and lps["text_offset"][0] == 0
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_top_logprobs(shared_service, hf_default):
+    import openai
+
+    model, tok = hf_default
+    client = openai.OpenAI(base_url=f"{shared_service.url}/v1", api_key="none", max_retries=0)
+    r = client.completions.create(model="m", prompt=TEXTS[1], echo=True, logprobs=2, max_tokens=0)
+    c = r.choices[0]
+    prompt = tok.encode(TEXTS[1])
+    ref = hf_logprobs(model, prompt)
+    assert c.text == TEXTS[1] and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(prompt)
+    for p in range(1, len(prompt)):
+        vals, top_ids = ref[p - 1].topk(2)
+        got = c.logprobs.top_logprobs[p]
+        assert list(got) == [tok.decode([t]) for t in top_ids.tolist()] or (vals[0] - vals[1]).abs() < TOL
+        assert torch.allclose(torch.tensor(sorted(got.values(), reverse=True)), vals, atol=TOL, rtol=0)
+    streamed = client.completions.create(model="m", prompt=TEXTS[1], echo=True, max_tokens=2, stream=True)
+    assert next(iter(streamed)).choices[0].text.startswith(TEXTS[1])  # the prompt comes first
+
+
+def test_vllm_prompt_logprobs_hold_the_prompt_token_with_its_rank_and_the_top_k(http, hf_default):
+    model, tok = hf_default
+    prompt = tok.encode(TEXTS[0])
+    ref = hf_logprobs(model, prompt)
+    entries = completion(http, prompt=TEXTS[0], prompt_logprobs=3, max_tokens=1)["choices"][0][
+        "prompt_logprobs"
+    ]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p in range(1, len(prompt)):
+        mine = entries[p][str(prompt[p])]
+        lp = ref[p - 1, prompt[p]]
+        assert abs(mine["logprob"] - float(lp)) < TOL and mine["decoded_token"] == tok.decode([prompt[p]])
+        assert int((ref[p - 1] > lp + TOL).sum()) + 1 <= mine["rank"] <= int((ref[p - 1] >= lp - TOL).sum())
+        ranked = sorted((e for t, e in entries[p].items() if e["rank"] <= 3), key=lambda e: e["rank"])
+        assert torch.allclose(
+            torch.tensor([e["logprob"] for e in ranked[:3]]), ref[p - 1].topk(3).values, atol=TOL
+        )
+
+
+def test_sglang_input_token_logprobs_from_a_start_position(http, hf_default):
+    model, tok = hf_default
+    prompt = tok.encode(TEXTS[0])
+    ref = hf_logprobs(model, prompt)
+    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 3, "top_logprobs_num": 1}
+    body["sampling_params"] = {"max_new_tokens": 2, "temperature": 0}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    tokens = meta["input_token_logprobs"]
+    assert [t[1] for t in tokens] == prompt[3:] and all(t[2] is None for t in tokens)  # no text unless asked
+    expected = ref[torch.arange(2, len(prompt) - 1), torch.tensor(prompt[3:])]
+    assert torch.allclose(torch.tensor([t[0] for t in tokens]), expected, atol=TOL, rtol=0)
+    assert len(meta["output_token_logprobs"]) == 2 and len(meta["input_top_logprobs"]) == len(prompt) - 3
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "a b", "echo": True, "logprobs": 6}, "logprobs"),
+        ({"prompt": "a b", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "a b", "max_tokens": 0}, "max_tokens"),  # nothing to return
+    ],
+)
+def test_bad_prompt_logprob_requests_are_400_naming_the_field(http, body, param):
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
