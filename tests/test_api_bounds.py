@@ -179,7 +179,6 @@ def test_generate_honours_a_top_level_max_tokens(service):
     [
         ("/v1/completions", "best_of", 2),
         ("/v1/completions", "suffix", "end"),
-        ("/v1/completions", "echo", True),
         ("/v1/chat/completions", "functions", [{"name": "f"}]),
         ("/v1/chat/completions", "function_call", "auto"),
         ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
