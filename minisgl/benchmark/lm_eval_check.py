@@ -10,12 +10,12 @@ choices each, seeded), then runs it through lm-eval's own clients:
 - `local-completions`, loglikelihood: lm-eval sends each (context, choice) as token ids with `echo: true`,
   `logprobs: 1`, `max_tokens: 1`, reads the prompt's log-probabilities and scores `acc`. Its tokenizer is
   the server's own (`/tokenizer_info` and `/tokenize`, auto-detected).
-- `local-chat-completions`, generation: the question as a chat, the answer generated greedily and scored
-  by exact match.
+- `local-chat-completions`, generation: the question as a chat, the answer generated greedily, its last
+  number taken (lm-eval's regex filter) and scored by exact match.
 
 The reference computes both from the model directory with transformers in float32: the accuracy from the
-log-probabilities of the same token sequences (lm-eval's context / continuation split), and the exact match
-from greedy generation of the same chat prompts. Prints both, the items per second of the loglikelihood
+log-probabilities of the same token sequences (lm-eval's context / continuation split), and the answers
+of greedy generation from the same chat prompts, item by item. Prints both, the items per second of the loglikelihood
 run, and exits non-zero when they differ.
 """
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -32,10 +33,13 @@ from typing import Any
 
 TASK_LL = "minisgl_sums_ll"
 TASK_GEN = "minisgl_sums_gen"
+GEN_TOKENS = 12
+NUMBER = r"(\d+)\.?$"  # the answer: the number the reply ends with (lm-eval's regex filter, first match)
 
 
 def make_items(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """n questions `a + b`, four distinct choices, the answer's place seeded."""
+    """n questions `a + b`, four distinct choices, the answer's place seeded; `chat` asks the same for the
+    generation task."""
     rng = random.Random(seed)
     items = []
     for _ in range(n):
@@ -46,6 +50,7 @@ def make_items(n: int, seed: int = 0) -> list[dict[str, Any]]:
         items.append(
             {
                 "question": f"Question: what is {a} + {b}?\nAnswer:",
+                "chat": f"What is {a} + {b}? Reply with the number only.",
                 "choices": choices,
                 "answer": choices.index(str(a + b)),
             }
@@ -58,31 +63,28 @@ def write_tasks(folder: str, items: list[dict[str, Any]]) -> None:
     data = os.path.join(folder, "sums.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps(item) + "\n" for item in items)
-    common = (
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        'doc_to_text: "{{question}}"\n'
-    )
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
     with open(os.path.join(folder, f"{TASK_LL}.yaml"), "w") as f:
         f.write(
             f"task: {TASK_LL}\n{common}output_type: multiple_choice\n"
-            'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
+            'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
             "metric_list:\n  - metric: acc\n"
         )
     with open(os.path.join(folder, f"{TASK_GEN}.yaml"), "w") as f:
         f.write(
             f"task: {TASK_GEN}\n{common}output_type: generate_until\n"
-            'doc_to_target: "{{choices[answer]}}"\n'
-            "generation_kwargs:\n  until: ['\\n', '.']\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n"
-            "filter_list:\n  - name: strip\n    filter:\n      - function: strip_whitespace\n      - function: take_first\n"
+            'doc_to_text: "{{chat}}"\ndoc_to_target: "{{choices[answer]}}"\n'
+            # YAML's double quotes read \\n as a newline (single quotes would keep the backslash)
+            f'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n'
+            "  temperature: 0\n"
+            "filter_list:\n  - name: number\n    filter:\n"
+            f"      - function: regex\n        regex_pattern: '{NUMBER}'\n      - function: take_first\n"
             "metric_list:\n  - metric: exact_match\n"
         )
 
 
-def run_lm_eval(
-    base_url: str, model: str, folder: str, task: str, batch_size: int, limit: int | None
-) -> dict:
+def run_lm_eval(base_url: str, model: str, folder: str, task: str, batch_size: int) -> dict[str, Any]:
+    """lm-eval's results of `task` and its samples."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -98,10 +100,9 @@ def run_lm_eval(
         tasks=[task],
         task_manager=TaskManager(include_path=folder),
         apply_chat_template=chat,
-        limit=limit,
-        log_samples=False,
+        log_samples=True,
     )
-    return out["results"][task]
+    return {"results": out["results"][task], "samples": out["samples"][task]}
 
 
 def _encode_pair(tok: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -115,33 +116,32 @@ def _encode_pair(tok: Any, context: str, continuation: str) -> tuple[list[int], 
     return ctx, whole[len(ctx) :]
 
 
-def hf_reference(model_dir: str, items: list[dict[str, Any]]) -> tuple[float, float]:
-    """(acc from float32 log-probabilities, exact match of greedy chat answers) over `items`."""
+def hf_reference(model_dir: str, items: list[dict[str, Any]]) -> tuple[float, list[str]]:
+    """The acc from float32 log-probabilities, and the greedy chat answers (cut at lm-eval's `until`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    right = exact = 0
+    right, answers = 0, []
     with torch.no_grad():
         for item in items:
             scores = []
             for choice in item["choices"]:
                 ctx, cont = _encode_pair(tok, item["question"], " " + choice)  # lm-eval's target delimiter
-                ids = torch.tensor([ctx + cont])
-                logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+                logp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0].float(), dim=-1)
                 scores.append(sum(float(logp[len(ctx) + i - 1, t]) for i, t in enumerate(cont)))
             right += int(max(range(len(scores)), key=scores.__getitem__) == item["answer"])
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": item["question"]}], tokenize=False, add_generation_prompt=True
-            )
+            chat = [{"role": "user", "content": item["chat"]}]
+            text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
-            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
-            answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-            for stop in ("\n", "."):
-                answer = answer.split(stop)[0]
-            exact += int(answer.strip() == item["choices"][item["answer"]])
-    return right / len(items), exact / len(items)
+            out = model.generate(
+                ids, max_new_tokens=GEN_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id
+            )
+            answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0]
+            found = re.findall(NUMBER, answer)
+            answers.append(found[0] if found else "[invalid]")  # as lm-eval's regex filter
+    return right / len(items), answers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,29 +162,33 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="minisgl-lm-eval-") as folder:
         write_tasks(folder, items)
         t0 = time.perf_counter()
-        ll = run_lm_eval(a.base_url, a.model, folder, TASK_LL, a.batch_size, None)
+        ll = run_lm_eval(a.base_url, a.model, folder, TASK_LL, a.batch_size)
         seconds = time.perf_counter() - t0
-        gen = None if a.skip_generation else run_lm_eval(a.base_url, a.model, folder, TASK_GEN, 1, None)
+        gen = None if a.skip_generation else run_lm_eval(a.base_url, a.model, folder, TASK_GEN, 1)
     report: dict[str, Any] = {
         "items": a.items,
         "loglikelihood_requests": 4 * a.items,
-        "lm_eval_acc": ll["acc,none"],
+        "lm_eval_acc": ll["results"]["acc,none"],
         "seconds": round(seconds, 1),
         "items_per_s": round(a.items / seconds, 2),
         "requests_per_s": round(4 * a.items / seconds, 2),
     }
     if gen is not None:
-        report["lm_eval_exact_match"] = gen["exact_match,strip"]
+        report["lm_eval_exact_match"] = gen["results"]["exact_match,number"]
     ok = True
     if not a.skip_hf:
         from minisgl.utils.hf import resolve_model_path
 
-        acc, exact = hf_reference(resolve_model_path(a.model_dir), items)
+        acc, answers = hf_reference(resolve_model_path(a.model_dir), items)
         report["hf_acc"] = acc
         ok = abs(acc - report["lm_eval_acc"]) < 1e-9
-        if gen is not None:
-            report["hf_exact_match"] = exact
-            ok = ok and abs(exact - report["lm_eval_exact_match"]) < 1e-9
+        if gen is not None:  # the same answers, item by item, and so the same exact match
+            ours = {s["doc_id"]: s["filtered_resps"][0] for s in gen["samples"]}
+            same = sum(ours[i] == answers[i] for i in range(len(items)))
+            truth = [item["choices"][item["answer"]] for item in items]
+            report["hf_exact_match"] = sum(x == t for x, t in zip(answers, truth)) / len(items)
+            report["generations_equal_to_hf"] = f"{same}/{len(items)}"
+            ok = ok and same == len(items)
     print(json.dumps(report, indent=1))
     return 0 if ok else 1
 
