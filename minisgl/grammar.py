@@ -17,24 +17,39 @@ xgrammar is imported on first use: a process that never sees a constraint never 
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
+import multiprocessing as mp
 import os
+import re
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl.core import InvalidRequest, Req, SamplingParams
 from minisgl.utils.device import HostRing
+from minisgl.utils.hf import load_tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
 
 JSON_SEPARATORS = (", ", ": ")
 MAX_GRAMMAR_CHARS = 1 << 20  # a constraint's text; far beyond any real schema or grammar
-MAX_CACHED = 256  # compiled constraints kept (each holds per-token tables of the vocabulary)
+MAX_NESTING = 40  # brackets in a constraint's text: a body's 32 levels, and a forced tool call's wrapping
+MAX_CHECKED = 256  # constraints remembered as parsed (by their hash)
+DEFAULT_COMPILE_TIMEOUT = 20.0  # seconds one constraint may take to compile (--grammar-compile-timeout)
+DEFAULT_CACHE_MB = 256  # compiled grammars kept, in MiB of token tables (--grammar-cache-mb)
+COMPILE_PROCESSES = 2  # compile workers: a slow compile leaves the other free for everyone else
+POLL_S = 0.02  # the compile dispatcher's wake-up when nothing arrives
 BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
 _WHAT = {
     "json_schema": "JSON schema",
@@ -64,7 +79,48 @@ def parse_grammar(kind: str, text: str) -> xgrammar.Grammar:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-_checked: dict[tuple[str, str], None] = {}  # constraints that parsed (a client often repeats its schema)
+# what a nesting scan skips: JSON strings; in a regex or EBNF grammar escapes, character classes, literals
+_OPAQUE = {
+    "json": re.compile(r'"(?:[^"\\]|\\.)*"'),
+    "text": re.compile(r'\\.|\[(?:\\.|[^\]\\])*\]|"(?:[^"\\]|\\.)*"'),
+}
+_OPEN, _CLOSE = frozenset("[{("), frozenset("]})")
+
+
+def nesting_depth(kind: str, text: str) -> int:
+    """How deep the brackets of a constraint's text nest, found without recursion (the parsers that read
+    it next recurse once per level: too deep a text would exhaust their stack)."""
+    skeleton = _OPAQUE["json" if kind in ("json_schema", "structural_tag") else "text"].sub("", text)
+    depth = deepest = 0
+    for c in re.sub(r"[^\[\]{}()]", "", skeleton):
+        depth += 1 if c in _OPEN else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def check_size(kind: str, text: str, param: str | None = None) -> None:
+    """Bound a constraint's text before anything parses it: its length and its nesting depth (iterative,
+    so a schema of arrays nested 1,000 deep is a 400, not a RecursionError). `param`: the name an error
+    gives the field (default: `kind`)."""
+    param = param or kind
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"'{param}' holds {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", param)
+    depth = nesting_depth(kind, text)
+    if depth > MAX_NESTING:
+        raise InvalidRequest(f"'{param}' nests {depth} levels deep; at most {MAX_NESTING}", param)
+
+
+def _detail(e: Exception) -> str:
+    """xgrammar's error, on one line, without its time and source-file prefix."""
+    text = " ".join(str(e).split())
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:300] or type(e).__name__
+
+
+def _digest(kind: str, text: str) -> bytes:
+    return hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).digest()
+
+
+_checked: OrderedDict[bytes, None] = OrderedDict()  # digests of constraints that parsed (clients repeat them)
 
 
 def check_grammar(params: SamplingParams) -> None:
@@ -72,14 +128,16 @@ def check_grammar(params: SamplingParams) -> None:
     (`json_schema`, `regex`, `ebnf`, `structural_tag`) when it is not valid. Checks the types first."""
     params.validate()
     grammar = params.grammar
-    if grammar is None or grammar in _checked:
+    if grammar is None:
         return
     kind, text = grammar
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise InvalidRequest(f"'{kind}' holds {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", kind)
+    digest = _digest(kind, text)
+    if digest in _checked:
+        return
+    check_size(kind, text)
     if kind in ("json_schema", "structural_tag"):
         try:
-            value = json.loads(text)
+            value = json.loads(text)  # safe: the depth is bounded
         except ValueError as e:
             raise InvalidRequest(f"'{kind}' is not valid JSON: {e}", kind) from None
         if not isinstance(value, (dict, bool) if kind == "json_schema" else dict):
@@ -87,50 +145,287 @@ def check_grammar(params: SamplingParams) -> None:
     try:
         parse_grammar(kind, text)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own types
-        detail = " ".join(str(e).split())[:300]
-        raise InvalidRequest(f"'{kind}' is not a valid {_WHAT[kind]}: {detail}", kind) from None
-    if len(_checked) >= MAX_CACHED:
-        _checked.pop(next(iter(_checked)))
-    _checked[grammar] = None
+        raise InvalidRequest(f"'{kind}' is not a valid {_WHAT[kind]}: {_detail(e)}", kind) from None
+    if len(_checked) >= MAX_CHECKED:
+        _checked.popitem(last=False)
+    _checked[digest] = None
 
 
 class GrammarCompiler:
-    """Compiles constraints against the model's vocabulary on one worker thread, once per (kind, text).
+    """Compiles constraints against the model's vocabulary in a few worker processes, each compile within
+    a time budget, and keeps the compiled grammars in a cache bounded in bytes.
 
-    xgrammar's compiler is built on the thread at the first constraint, from the model's tokenizer
-    (`load_tokenizer`), with the logits' width as the vocabulary (ids beyond the tokenizer's are never
-    allowed) and the stop tokens (`stop_ids`) as the ones that may end a complete output."""
+    xgrammar cannot interrupt a compilation, and one can take minutes (a 20,000-value enum, thousands of
+    optional properties): in a thread it would hold its core and its place in the queue long after its
+    request was refused or gone. A worker process is killed instead, when its compile passes
+    `timeout` seconds or every request waiting for it was aborted, and a fresh one takes its place; so
+    one request delays another's compile by at most its own budget. A compiled grammar comes back
+    serialized (xgrammar's JSON form). The vocabulary is the logits' width (ids beyond the tokenizer's
+    are never allowed); `stop_ids` are the tokens that may end a complete output. Errors a client can fix
+    (a bad or impossible constraint, a compile over its budget of time or bytes) are the future's
+    InvalidRequest naming the constraint's field."""
 
     def __init__(
-        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: Callable[[], list[int]]
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        stop_ids: Callable[[], list[int]],
+        timeout: float = DEFAULT_COMPILE_TIMEOUT,
+        cache_bytes: int = DEFAULT_CACHE_MB << 20,
+        processes: int = COMPILE_PROCESSES,
     ) -> None:
-        self._load_tokenizer, self.vocab_size, self._stop_ids = load_tokenizer, vocab_size, stop_ids
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-grammar")
-        self._futures: dict[tuple[str, str], Future] = {}
-        self._compiler: Any = None
+        self.tokenizer_path, self.vocab_size, self._stop_ids = tokenizer_path, vocab_size, stop_ids
+        self.timeout, self.cache_bytes = timeout, cache_bytes
+        self._info: Any = None  # xgrammar TokenizerInfo, built at the first constraint
+        self._workers: list[_CompileWorker] = []
+        self._num_workers = processes
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # most recently used last
+        self._cached_bytes = 0
+        self._refused: OrderedDict[bytes, InvalidRequest] = OrderedDict()  # by digest: over a budget
+        self._jobs: dict[tuple[str, str], _Job] = {}  # compiling or queued, by constraint
+        self._queue: deque[_Job] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
 
-    def submit(self, kind: str, text: str) -> Future:
-        """A future of the compiled grammar (an xgrammar CompiledGrammar); a repeated constraint shares it."""
+    # ---- the scheduler's side -------------------------------------------------------------------------
+    def submit(self, kind: str, text: str, uid: int = -1) -> Future:
+        """A future of the compiled grammar (an xgrammar CompiledGrammar) for request `uid`; a repeated
+        constraint shares its compile and its cache entry."""
         key = (kind, text)
-        future = self._futures.pop(key, None)
-        if future is None:
-            future = self._pool.submit(self._compile, kind, text)
-        self._futures[key] = future  # most recently used last
-        if len(self._futures) > MAX_CACHED:
-            self._futures.pop(next(iter(self._futures)))
-        return future
+        with self._lock:
+            refused = self._refused.get(_digest(kind, text))
+            if refused is not None:  # a client repeating a constraint that timed out does not retry it
+                future = Future()
+                future.set_exception(refused)
+                return future
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                future: Future = Future()
+                future.set_result(self._cache[key])
+                return future
+            job = self._jobs.get(key)
+            if job is None:
+                job = self._jobs[key] = _Job(key)
+                self._queue.append(job)
+            job.waiters.add(uid)
+        self._start()
+        self._wake.set()
+        return job.future
 
-    def _compile(self, kind: str, text: str) -> Any:
-        if self._compiler is None:
-            xgr = _xgr()
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=sorted(self._stop_ids())
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler.compile_grammar(parse_grammar(kind, text))
+    def cancel(self, uid: int) -> None:
+        """Request `uid` was aborted: a compile nobody waits for any more is dropped (its worker killed)."""
+        with self._lock:
+            for job in self._jobs.values():
+                job.waiters.discard(uid)
+        self._wake.set()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        for w in self._workers:
+            w.kill()
+
+    # ---- the dispatcher thread ------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="minisgl-grammar", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._info = _xgr().TokenizerInfo.from_huggingface(
+                load_tokenizer(self.tokenizer_path),
+                vocab_size=self.vocab_size,
+                stop_token_ids=sorted(self._stop_ids()),
+            )
+            info_json = self._info.serialize_json()
+            self._workers = [_CompileWorker(info_json) for _ in range(self._num_workers)]
+        except Exception as e:  # noqa: BLE001 - every waiting request learns why, none hangs
+            self._fail_all(RuntimeError(f"the grammar compiler did not start: {e}"))
+            return
+        while not self._stopped:
+            self._dispatch()
+            busy = {w.conn: w for w in self._workers if w.job is not None}
+            if busy:
+                for conn in mp_connection.wait(list(busy), timeout=POLL_S):
+                    self._receive(busy[conn])  # type: ignore[index]
+            else:
+                self._wake.wait(POLL_S)
+            self._wake.clear()
+            self._expire()
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            while self._queue and (idle := next((w for w in self._workers if w.job is None), None)):
+                job = self._queue.popleft()
+                if job.waiters:
+                    idle.start(job, self.cache_bytes)
+                else:
+                    self._jobs.pop(job.key, None)
+                    job.future.cancel()
+
+    def _receive(self, w: _CompileWorker) -> None:
+        job = w.job
+        assert job is not None
+        try:
+            status, payload = w.conn.recv()
+        except (EOFError, OSError):  # the worker died (out of memory?): a fresh one replaces it
+            w.restart()
+            self._finish(job, error=RuntimeError("the grammar compiler process died"))
+            return
+        w.job = None
+        if status != "ok":
+            kind = job.key[0]
+            self._finish(job, error=InvalidRequest(f"'{kind}' {payload}", kind))
+            return
+        compiled = _xgr().CompiledGrammar.deserialize_json(payload, self._info)
+        self._finish(job, compiled)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            job = w.job
+            if job is None:
+                continue
+            if not job.waiters:  # every request waiting for it was aborted
+                w.restart()
+                self._finish(job, error=None)
+            elif now - w.started > self.timeout:
+                w.restart()
+                kind = job.key[0]
+                message = (
+                    f"'{kind}' did not compile within {self.timeout:g} s (--grammar-compile-timeout); "
+                    "simplify it (fewer alternatives, properties or tools)"
+                )
+                error = InvalidRequest(message, kind)
+                self._refused[_digest(*job.key)] = error
+                if len(self._refused) > MAX_CHECKED:
+                    self._refused.popitem(last=False)
+                self._finish(job, error=error)
+
+    def _finish(self, job: _Job, compiled: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._jobs.pop(job.key, None)
+            if compiled is not None:
+                self._cache_put(job.key, compiled)
+        if error is not None:
+            job.future.set_exception(error)
+        elif compiled is not None:
+            job.future.set_result(compiled)
+        else:
+            job.future.cancel()
+
+    def _cache_put(self, key: tuple[str, str], compiled: Any) -> None:
+        size = compiled.memory_size_bytes
+        self._cache[key] = compiled
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:  # the newest stays: in use
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.memory_size_bytes
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+            self._queue.clear()
+        for job in jobs:
+            job.future.set_exception(error)
+
+
+@dataclass
+class _Job:
+    """One constraint being compiled (or queued), and the requests that wait for it."""
+
+    key: tuple[str, str]
+    future: Future = field(default_factory=Future)
+    waiters: set[int] = field(default_factory=set)
+
+
+class _CompileWorker:
+    """One compile process and the job it runs."""
+
+    def __init__(self, info_json: str) -> None:
+        self.info_json = info_json
+        self.job: _Job | None = None
+        self.started = 0.0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_compile_process,
+            args=(self.info_json, child, os.getpid()),
+            name="minisgl-grammar",
+            daemon=True,
+        )
+        self.proc.start()
+        child.close()
+
+    def start(self, job: _Job, max_bytes: int) -> None:
+        self.job, self.started = job, time.monotonic()
+        self.conn.send((job.key[0], job.key[1], max_bytes))
+
+    def restart(self) -> None:
+        """Kill the process (its compile cannot be interrupted) and start a fresh one."""
+        self.kill()
+        self.job = None
+        self._spawn()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def _compile_process(info_json: str, conn: Any, parent_pid: int) -> None:
+    """A compile worker's loop: (kind, text, max_bytes) in, ("ok", serialized grammar) or ("refused",
+    why) out, until the scheduler closes the pipe or kills it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # die with the scheduler, even if it is killed
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    xgr = _xgr()
+    info = xgr.TokenizerInfo.deserialize_json(info_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    while True:
+        try:
+            kind, text, max_bytes = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send(("ok", _compile_checked(compiler, info, kind, text, max_bytes)))
+        except _Refused as e:
+            conn.send(("refused", str(e)))
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own types
+            conn.send(("refused", f"is not a valid {_WHAT[kind]}: {_detail(e)}"))
+
+
+class _Refused(Exception):
+    """A constraint that compiled but cannot be used (the rest of the sentence naming its field)."""
+
+
+def _compile_checked(compiler: Any, info: Any, kind: str, text: str, max_bytes: int) -> str:
+    xgr = _xgr()
+    compiled = compiler.compile_grammar(parse_grammar(kind, text))
+    size = compiled.memory_size_bytes
+    if size > max_bytes:
+        raise _Refused(
+            f"compiles to {size / 2**20:.0f} MiB of token tables, more than the {max_bytes / 2**20:.0f} MiB "
+            "of --grammar-cache-mb; simplify it"
+        )
+    matcher = xgr.GrammarMatcher(compiled)
+    bits = xgr.allocate_token_bitmask(1, info.vocab_size)
+    matcher.fill_next_token_bitmask(bits)
+    if not bool(bits.any()):  # not even a stop token: no output can satisfy it
+        raise _Refused(f"is a {_WHAT[kind]} that no output can satisfy")
+    return compiled.serialize_json()
 
 
 def new_matcher(compiled: Any) -> Any:

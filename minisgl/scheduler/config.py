@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minisgl.engine.config import EngineConfig
+from minisgl.grammar import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.utils.options import option
 
@@ -27,5 +28,16 @@ class SchedulerConfig(EngineConfig):
     # 1.0 never retracts; lower admits more requests and relies on retraction when decode runs out of pages
     reserve_ratio: float = option(
         1.0, help="fraction of each request's possible decode tokens reserved at admission"
+    )
+    grammar_compile_timeout: float = option(
+        DEFAULT_COMPILE_TIMEOUT,
+        help="seconds one request's constraint (JSON schema, regex, grammar, forced tool call) may take to "
+        "compile; longer is a 400 naming its field",
+        min=0.1,
+    )
+    grammar_cache_mb: int = option(
+        DEFAULT_CACHE_MB,
+        help="MiB of compiled constraints kept for reuse; one that alone needs more is a 400 naming its field",
+        min=1,
     )
     extra_eos_token_ids: list[int] = field(default_factory=list)  # the launcher adds the tokenizer's EOS

@@ -1,20 +1,27 @@
 """GrammarManager: the requests whose grammar is compiling, and the token masks of a step's constrained rows.
 
-A constrained request waits here, out of the prefill queue, while a worker thread compiles its grammar
-(minisgl/grammar.py); the requests behind it are admitted meanwhile. Once compiled it gets its matcher
-and joins the queue; a grammar that fails to compile ends its request with an error."""
+A constrained request waits here, out of the prefill queue, while a compile process compiles its grammar
+(minisgl/grammar.py, within --grammar-compile-timeout); the requests behind it are admitted meanwhile.
+Once compiled it gets its matcher and joins the queue; a grammar that fails to compile ends its request
+with an error (a 400 naming the field when the constraint is at fault)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
 
 import torch
 
-from minisgl.core import Batch, Req
-from minisgl.grammar import GrammarCompiler, TokenMask, TokenMasks, new_matcher
+from minisgl.core import Batch, InvalidRequest, Req
+from minisgl.grammar import (
+    DEFAULT_CACHE_MB,
+    DEFAULT_COMPILE_TIMEOUT,
+    GrammarCompiler,
+    TokenMask,
+    TokenMasks,
+    new_matcher,
+)
 from minisgl.utils import init_logger
 
 logger = init_logger(__name__)
@@ -28,13 +35,15 @@ class GrammarManager:
 
     def __init__(
         self,
-        load_tokenizer: Callable[[], Any],
+        tokenizer_path: str,
         vocab_size: int,
         stop_ids: Callable[[], list[int]],
         device: torch.device,
         blocking: bool = False,
+        timeout: float = DEFAULT_COMPILE_TIMEOUT,
+        cache_bytes: int = DEFAULT_CACHE_MB << 20,
     ) -> None:
-        self._compiler_args = (load_tokenizer, vocab_size, stop_ids)
+        self._compiler_args = (tokenizer_path, vocab_size, stop_ids, timeout, cache_bytes)
         self.compiler: GrammarCompiler | None = None
         self.masks = TokenMasks(vocab_size, device)
         self.blocking = blocking
@@ -46,27 +55,38 @@ class GrammarManager:
         if self.compiler is None:
             self.compiler = GrammarCompiler(*self._compiler_args)
         kind, text = req.sampling_params.grammar
-        future = self.compiler.submit(kind, text)
+        future = self.compiler.submit(kind, text, req.uid)
         if self.blocking:
             wait_futures([future])
         self.compiling[req.uid] = (req, future)
 
     def remove(self, uid: int) -> bool:
-        """Forget a compiling request (aborted); False if it is not compiling."""
-        return self.compiling.pop(uid, None) is not None
+        """Forget a compiling request (aborted; a compile nobody else waits for is stopped); False if it
+        is not compiling."""
+        if self.compiling.pop(uid, None) is None:
+            return False
+        if self.compiler is not None:
+            self.compiler.cancel(uid)
+        return True
 
-    def ready(self) -> tuple[list[Req], list[tuple[Req, str]]]:
+    def ready(self) -> tuple[list[Req], list[tuple[Req, str, str | None]]]:
         """The requests whose grammar compiled, each with its matcher now, in arrival order; and the
-        requests whose grammar failed, with the error."""
+        requests whose grammar failed, with the error and the field it names (None: not the client's)."""
         done, failed = [], []
         for uid, (req, future) in list(self.compiling.items()):
             if not future.done():
                 continue
             del self.compiling[uid]
+            if future.cancelled():  # its compile was dropped: an abort is on its way
+                continue
             error = future.exception()
+            if isinstance(error, InvalidRequest):  # the client's: a 400 naming the constraint's field
+                logger.info(f"request {uid}: {error}")
+                failed.append((req, str(error), error.param))
+                continue
             if error is not None:
                 logger.warning(f"request {uid}: its grammar did not compile: {error}")
-                failed.append((req, f"the grammar did not compile: {type(error).__name__}: {error}"))
+                failed.append((req, f"the grammar did not compile: {type(error).__name__}: {error}", None))
                 continue
             req.grammar = new_matcher(future.result())
             self.num_constrained += 1

@@ -24,7 +24,6 @@ from minisgl.engine import DECODE_INPUTS, Engine, ForwardOutput, Logits, Samplin
 from minisgl.env import ENV
 from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing, create_stream, current_stream, use_stream
-from minisgl.utils.hf import load_tokenizer
 
 from .cache import CacheManager
 from .config import SchedulerConfig
@@ -46,6 +45,7 @@ class StepOutput:
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache (Req.cached_prompt_len)
     error: str | None = None  # why a request ended with FinishReason.ERROR (token_id -1: no token)
+    error_param: str | None = None  # the field at fault, when the client's (InvalidRequest.param)
     prompt_logprobs: PromptLogprobs | None = None  # with the first token (SamplingParams.prompt_logprobs)
     embedding: list[float] | None = None  # an embedding request's pooled, L2-normalised vector
 
@@ -75,11 +75,13 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
         self.decode = DecodeManager()
         self.grammar = GrammarManager(
-            lambda: load_tokenizer(self.engine.model_dir),
+            self.engine.model_dir,
             self.vocab_size,
             lambda: sorted(self.eos_token_ids),  # read at the first compilation: the LLM adds the tokenizer's
             self.device,
             blocking=config.tp_info.size > 1,
+            timeout=config.grammar_compile_timeout,
+            cache_bytes=config.grammar_cache_mb << 20,
         )
         self.reqs: dict[int, Req] = {}
         # the engine computes on this stream; batches are prepared on the current one
@@ -231,10 +233,11 @@ class Scheduler:
         ready, failed = self.grammar.ready()
         for req in ready:
             self.prefill.add(req)
-        for req, error in failed:
+        for req, error, param in failed:
             req.finished, req.finish_reason = True, FinishReason.ERROR
             self.reqs.pop(req.uid, None)
-            self._pending_outputs.append(StepOutput(req.uid, -1, True, FinishReason.ERROR, error=error))
+            out = StepOutput(req.uid, -1, True, FinishReason.ERROR, error=error, error_param=param)
+            self._pending_outputs.append(out)
 
     def _drain(self) -> None:
         """Process the step in flight now (before a retraction needs exact host state)."""

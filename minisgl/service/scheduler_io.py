@@ -264,6 +264,6 @@ def _append(batch: TokenBatch, out: StepOutput) -> None:
     if out.cached_tokens:
         batch.cached_tokens[i] = out.cached_tokens
     if out.error is not None:
-        batch.errors[i] = (out.error, None)
+        batch.errors[i] = (out.error, out.error_param)
     if (extras := out.extras()) is not None:
         batch.extras[i] = extras
