@@ -1,26 +1,27 @@
 """Constrained decoding on the request side: `response_format`, SGLang's `json_schema` / `regex` / `ebnf` /
-`structural_tag` and vLLM's `guided_*` fields -> the one SamplingParams constraint field they ask for,
-checked by parsing it with xgrammar (HTTP 400 naming the request's field when it does not parse).
+`structural_tag` and vLLM's `guided_*` fields -> the one SamplingParams constraint field they ask for.
 
-The grammar itself is compiled and applied by the scheduler (minisgl/grammar.py, whose parser checks it
-here too); this only decides which constraint a request asks for and names the field in errors. `json_object` is the JSON Schema `{"type": "object"}` rather than xgrammar's built-in JSON
+A constraint's length and nesting depth are measured without recursion before a JSON string is parsed,
+then it gets the bounds of the body itself (`check_json`), then xgrammar parses it (`check`: the routes
+run all this off the event loop). The scheduler's compile processes compile it (minisgl/grammar.py);
+their errors (over the time or size budget, no output possible) name the request's field through
+`FieldNames.constraint`. `json_object` is the JSON Schema `{"type": "object"}` rather than xgrammar's built-in JSON
 grammar: OpenAI's JSON mode promises an object (the built-in grammar also allows arrays and scalars), and
 it then shares the schema path (and its cache) with every other schema.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.core import SamplingParams
-from minisgl.grammar import parse_grammar
+from minisgl.core import InvalidRequest, SamplingParams
+from minisgl.grammar import check_grammar, check_size
 
 from .errors import APIError
-from .protocol import ResponseFormat, SamplingBody
+from .protocol import ResponseFormat, SamplingBody, check_json
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # the SamplingParams fields
@@ -40,15 +41,31 @@ class Constraint:
         setattr(params, self.kind, self.value)
 
 
-def _as_json(value: Any, param: str) -> str:
-    """A schema or structural tag given as an object or as a JSON string -> the JSON string."""
-    if isinstance(value, str):
+def _bounded(kind: str, text: str, param: str) -> str:
+    """`text`, once its length and nesting depth are within the bounds (HTTP 400 naming `param`)."""
+    try:
+        check_size(kind, text, param)
+    except InvalidRequest as e:
+        raise APIError(str(e), param, "invalid_value") from None
+    return text
+
+
+def _as_json(value: Any, param: str, kind: str) -> str:
+    """A schema or structural tag given as an object or as a JSON string -> the JSON string. A string
+    gets the body's bounds too: its depth is measured before it is parsed, its strings and sizes after."""
+    if not isinstance(value, str):  # inside the body: bounded with it already
+        return json.dumps(value, ensure_ascii=False)
+    _bounded(kind, value, param)
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise APIError(f"'{param}' is not valid JSON: {e}", param, "invalid_value") from None
+    if isinstance(parsed, (dict, list)):
         try:
-            json.loads(value)
-        except ValueError as e:
-            raise APIError(f"'{param}' is not valid JSON: {e}", param, "invalid_value") from None
-        return value
-    return json.dumps(value, ensure_ascii=False)
+            check_json(parsed if isinstance(parsed, dict) else {param: parsed}, strings=True)
+        except APIError as e:
+            raise APIError(e.message.replace(f"'{e.param}'", f"'{param}'"), param, "invalid_value") from None
+    return value
 
 
 def _from_response_format(rf: ResponseFormat) -> Constraint | None:
@@ -88,7 +105,7 @@ def requested(req: SamplingBody, response_format: ResponseFormat | None) -> list
     ):
         value = getattr(req, param)
         if value is not None:
-            found.append(Constraint(kind, _as_json(value, param), param))
+            found.append(Constraint(kind, _as_json(value, param, kind), param))
     for param, kind in (
         ("regex", "regex"),
         ("guided_regex", "regex"),
@@ -97,7 +114,7 @@ def requested(req: SamplingBody, response_format: ResponseFormat | None) -> list
     ):
         value = getattr(req, param)
         if value is not None:
-            found.append(Constraint(kind, value, param))
+            found.append(Constraint(kind, _bounded(kind, value, param), param))
     if req.guided_choice is not None:  # vLLM: one of these strings exactly
         if not req.guided_choice:
             raise APIError("'guided_choice' must not be empty", "guided_choice", "invalid_value")
@@ -119,24 +136,11 @@ def single(found: list[Constraint]) -> Constraint | None:
     return found[0]
 
 
-@functools.lru_cache(maxsize=256)
-def _parse(kind: str, value: str) -> str | None:
-    """xgrammar's error for a constraint (None when it parses), as the scheduler will compile it. Cached:
-    clients repeat their schemas."""
-    try:
-        parse_grammar(kind, value)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors...
-        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return None
-
-
 def check(c: Constraint) -> None:
-    """Raise the 400 naming the constraint's request field when xgrammar cannot parse it."""
-    error = _parse(c.kind, c.value)
-    if error is not None:
-        what = {"json_schema": "JSON Schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
-        raise APIError(
-            f"'{c.param}' is not a valid {what.get(c.kind, 'structural tag')}: {error[:500]}",
-            c.param,
-            "invalid_value",
-        )
+    """Raise the 400 naming the constraint's request field when xgrammar cannot parse it (bounded first;
+    xgrammar releases the GIL while it parses, and the routes call this off the event loop)."""
+    _bounded(c.kind, c.value, c.param)
+    try:
+        check_grammar(SamplingParams(**{c.kind: c.value}))
+    except InvalidRequest as e:
+        raise APIError(InvalidRequest.renamed(str(e), c.kind, c.param), c.param, "invalid_value") from None

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from minisgl.core import InvalidRequest
+from minisgl.core import GRAMMAR_FIELDS, InvalidRequest
 
 
 def error_object(
@@ -86,11 +86,14 @@ class FieldNames:
 
     prompt: str  # "messages" | "prompt" | "text" | "input_ids"
     max_tokens: str = "max_tokens"  # or "max_completion_tokens" / "max_new_tokens"
+    constraint: str | None = None  # the request field its constraint came from (`response_format`, ...)
 
     def of(self, param: str | None) -> str | None:
         """The endpoint's name for a generic field name."""
         # stop token ids come from `stop` (ints in it) and `stop_token_ids` together: `stop` names both
         names = {"prompt": self.prompt, "max_tokens": self.max_tokens, "stop_token_ids": "stop"}
+        if self.constraint is not None:  # the grammar checks name the SamplingParams field
+            names.update(dict.fromkeys(GRAMMAR_FIELDS, self.constraint))
         return names.get(param, param) if param is not None else None
 
     def error(self, message: str, param: str | None) -> APIError:
