@@ -40,6 +40,11 @@ class ServerArgs(SchedulerConfig):
         "end (SGLang's option): fewer, larger chunks for many streams",
         min=1,
     )
+    allow_special_tokens_in_content: bool = option(
+        False,
+        help="the model's special tokens (<|im_start|>, ...) typed in a user's or a tool's message content "
+        "are its control tokens, not text: a user could then write turns of other roles",
+    )
     max_request_bytes: int = option(8 << 20, help="larger request bodies get HTTP 400", min=1)
     max_sequences_per_request: int = option(
         256, help="the most sequences (prompts x n) one request may ask for; more get HTTP 400", min=1

@@ -155,7 +155,11 @@ def _exit_now(code: Any) -> NoReturn:
 # ---- in the launcher ---------------------------------------------------------------------------------
 def _tokenizer_workers(a: ServerArgs) -> list[dict[str, Any]]:
     """The keyword arguments of each tokenizer-side worker (one doing both, or N tokenizers + 1 detokenizer)."""
-    common = {"tokenizer_path": a.model_path, "backend_addr": a.backend_addr}
+    common = {
+        "tokenizer_path": a.model_path,
+        "backend_addr": a.backend_addr,
+        "allow_special_tokens_in_content": a.allow_special_tokens_in_content,
+    }
 
     def worker(role: str, name: str, **addrs: Any) -> dict[str, Any]:
         return dict(common, role=role, worker_name=name, **addrs)

@@ -68,8 +68,15 @@ class PromptTokenizer:
     """Tokenizes requests: the UserMsg goes to the scheduler, the DetokenizeStartMsg (or the request's error)
     to the detokenizer. Owns its two sockets, so only one thread may use it."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, backend_addr: str, detokenizer_addr: str) -> None:
-        self.mgr = TokenizeManager(tokenizer)
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        backend_addr: str,
+        detokenizer_addr: str,
+        allow_special: bool = False,
+    ) -> None:
+        self.mgr = TokenizeManager(tokenizer, allow_special_in_content=allow_special)
         self.vocab_size = vocab_size
         self.send_backend: ZmqPushQueue[Any] = ZmqPushQueue(backend_addr, create=False, encoder=dumps)
         self.send_detokenizer: ZmqPushQueue[Any] = ZmqPushQueue(detokenizer_addr, create=False, encoder=dumps)
@@ -129,9 +136,11 @@ class PromptTokenizer:
 class TokenizeThread(threading.Thread):
     """A PromptTokenizer in a thread of its own, fed through a queue (`put`; None stops it)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, backend_addr: str, detokenizer_addr: str) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, backend_addr: str, detokenizer_addr: str, allow_special: bool
+    ) -> None:
         super().__init__(name="minisgl-tokenize", daemon=True)
-        self.args = (tokenizer, vocab_size, backend_addr, detokenizer_addr)
+        self.args = (tokenizer, vocab_size, backend_addr, detokenizer_addr, allow_special)
         self.inbox: queue.Queue[TokenizeMsg | None] = queue.Queue()
 
     def put(self, msg: TokenizeMsg | None) -> None:
@@ -160,6 +169,7 @@ class TokenizerWorker:
         detokenizer_addr: str | None,
         vocab_size: int = INT32_MAX,
         stream_interval: int = 1,
+        allow_special: bool = False,  # special tokens typed in user content stay special
     ) -> None:
         assert role in ROLES, role
         self.role = role
@@ -175,9 +185,11 @@ class TokenizerWorker:
             self.send_frontend = ZmqPushQueue(frontend_addr, create=False, encoder=dumps)
         if role == "tokenizer":
             assert detokenizer_addr is not None
-            self.tokenizer = PromptTokenizer(tokenizer, vocab_size, backend_addr, detokenizer_addr)
+            self.tokenizer = PromptTokenizer(
+                tokenizer, vocab_size, backend_addr, detokenizer_addr, allow_special
+            )
         if role == "both":  # the thread sends its detokenizer messages to this process's own socket
-            self.thread = TokenizeThread(tokenizer, vocab_size, backend_addr, recv_addr)
+            self.thread = TokenizeThread(tokenizer, vocab_size, backend_addr, recv_addr, allow_special)
             self.thread.start()
 
     def run_forever(self) -> None:
@@ -273,6 +285,7 @@ def tokenize_worker(
     detokenizer_addr: str | None = None,
     stream_interval: int = 1,
     ack_queue: Any = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> None:
     """Process entry: load the tokenizer, connect, report ready, then serve until killed."""
     logger = init_logger(__name__, worker_name)
@@ -289,6 +302,7 @@ def tokenize_worker(
         detokenizer_addr,
         vocab,
         stream_interval,
+        allow_special_tokens_in_content,
     )
     logger.info(f"{worker_name} ready ({role})")
     if ack_queue is not None:
