@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
@@ -36,11 +37,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl.core import InvalidRequest, Req, SamplingParams
+from minisgl.utils import init_logger
 from minisgl.utils.device import HostRing
 from minisgl.utils.hf import load_tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
+
+logger = init_logger(__name__)
 
 JSON_SEPARATORS = (", ", ": ")
 MAX_GRAMMAR_CHARS = 1 << 20  # a constraint's text; far beyond any real schema or grammar
@@ -123,9 +127,11 @@ def _digest(kind: str, text: str) -> bytes:
 _checked: OrderedDict[bytes, None] = OrderedDict()  # digests of constraints that parsed (clients repeat them)
 
 
-def check_grammar(params: SamplingParams) -> None:
-    """Parse the request's constraint, if any, with xgrammar; raise InvalidRequest naming the field
-    (`json_schema`, `regex`, `ebnf`, `structural_tag`) when it is not valid. Checks the types first."""
+def check_grammar(params: SamplingParams, parse: bool = True) -> None:
+    """Check the request's constraint, if any: its type, size and nesting (`check_size`), a JSON one's
+    syntax, and (`parse`) whether xgrammar parses it; raise InvalidRequest naming the field (`json_schema`,
+    `regex`, `ebnf`, `structural_tag`) when it is not valid. The service leaves the parse to its compile
+    processes (xgrammar's warnings on a large schema would flood its log otherwise)."""
     params.validate()
     grammar = params.grammar
     if grammar is None:
@@ -142,6 +148,8 @@ def check_grammar(params: SamplingParams) -> None:
             raise InvalidRequest(f"'{kind}' is not valid JSON: {e}", kind) from None
         if not isinstance(value, (dict, bool) if kind == "json_schema" else dict):
             raise InvalidRequest(f"'{kind}' must be a JSON object, got {type(value).__name__}", kind)
+    if not parse:
+        return
     try:
         parse_grammar(kind, text)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own types
@@ -272,12 +280,16 @@ class GrammarCompiler:
         job = w.job
         assert job is not None
         try:
-            status, payload = w.conn.recv()
+            status, payload, (num_warnings, first) = w.conn.recv()
         except (EOFError, OSError):  # the worker died (out of memory?): a fresh one replaces it
             w.restart()
             self._finish(job, error=RuntimeError("the grammar compiler process died"))
             return
         w.job = None
+        if num_warnings:
+            logger.warning(
+                f"xgrammar warned {num_warnings} times on a {job.key[0]} constraint; first: {first}"
+            )
         if status != "ok":
             kind = job.key[0]
             self._finish(job, error=InvalidRequest(f"'{kind}' {payload}", kind))
@@ -391,6 +403,10 @@ def _compile_process(info_json: str, conn: Any, parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+    # xgrammar writes a warning to stderr per unsupported part of a schema (3,000 lines for a schema
+    # of 3,000 such properties): they go to a file here, and the scheduler logs one line per compile
+    warnings = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - open for the process's whole life
+    os.dup2(warnings.fileno(), 2)
     xgr = _xgr()
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -400,11 +416,21 @@ def _compile_process(info_json: str, conn: Any, parent_pid: int) -> None:
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", _compile_checked(compiler, info, kind, text, max_bytes)))
+            reply: tuple[str, str] = ("ok", _compile_checked(compiler, info, kind, text, max_bytes))
         except _Refused as e:
-            conn.send(("refused", str(e)))
+            reply = ("refused", str(e))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own types
-            conn.send(("refused", f"is not a valid {_WHAT[kind]}: {_detail(e)}"))
+            reply = ("refused", f"is not a valid {_WHAT[kind]}: {_detail(e)}")
+        conn.send((*reply, _take_lines(warnings)))
+
+
+def _take_lines(f: Any) -> tuple[int, str]:
+    """How many lines the file holds and its first one; then empties it."""
+    f.seek(0)
+    lines = f.read().decode("utf-8", "replace").splitlines()
+    f.seek(0)
+    f.truncate()
+    return len(lines), _detail(Exception(lines[0])) if lines else ""
 
 
 class _Refused(Exception):

@@ -109,7 +109,8 @@ class PromptTokenizer:
             raise InvalidRequest(f"{what} must be in [0, {self.vocab_size})", param)
 
     def _tokenize(self, msg: TokenizeMsg) -> None:
-        check_grammar(msg.sampling_params)  # a bad schema or grammar is the client's 400, here
+        # the constraint's type, size and syntax (the scheduler's compile processes parse it with xgrammar)
+        check_grammar(msg.sampling_params, parse=False)
         input_ids = self._ids(msg)
         if not input_ids:
             raise InvalidRequest("the prompt is empty after tokenization", "prompt")

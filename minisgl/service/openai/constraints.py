@@ -2,9 +2,9 @@
 `structural_tag` and vLLM's `guided_*` fields -> the one SamplingParams constraint field they ask for.
 
 A constraint's length and nesting depth are measured without recursion before a JSON string is parsed,
-then it gets the bounds of the body itself (`check_json`), then xgrammar parses it (`check`: the routes
-run all this off the event loop). The scheduler's compile processes compile it (minisgl/grammar.py);
-their errors (over the time or size budget, no output possible) name the request's field through
+then it gets the bounds of the body itself (`check_json`). Nothing here runs xgrammar: the scheduler's
+compile processes parse and compile it (minisgl/grammar.py), within a time and a byte budget, and their
+errors (not a valid schema, over a budget, no output possible) name the request's field through
 `FieldNames.constraint`. `json_object` is the JSON Schema `{"type": "object"}` rather than xgrammar's built-in JSON
 grammar: OpenAI's JSON mode promises an object (the built-in grammar also allows arrays and scalars), and
 it then shares the schema path (and its cache) with every other schema.
@@ -137,10 +137,10 @@ def single(found: list[Constraint]) -> Constraint | None:
 
 
 def check(c: Constraint) -> None:
-    """Raise the 400 naming the constraint's request field when xgrammar cannot parse it (bounded first;
-    xgrammar releases the GIL while it parses, and the routes call this off the event loop)."""
+    """Raise the 400 naming the constraint's request field when it is too large, too deep or not valid
+    JSON. xgrammar parses it in the scheduler's compile processes, whose errors name the field too."""
     _bounded(c.kind, c.value, c.param)
     try:
-        check_grammar(SamplingParams(**{c.kind: c.value}))
+        check_grammar(SamplingParams(**{c.kind: c.value}), parse=False)
     except InvalidRequest as e:
         raise APIError(InvalidRequest.renamed(str(e), c.kind, c.param), c.param, "invalid_value") from None
