@@ -149,7 +149,16 @@ class ToolCallParser:
             self._text(self.raw + self.buf)
         elif self.mode == "close":
             self._end_call()
-            self._text(self.buf.strip())
+            rest = self.buf.strip()
+            if not self.fmt.end.startswith(rest):  # the call's own end marker, cut (max_tokens): not text
+                self._text(rest)
+        elif (
+            self.mode == "text"
+            and self.count
+            and self.buf.strip()
+            and self.fmt.start.startswith(self.buf.strip())
+        ):
+            pass  # the next call's start marker, cut (max_tokens): markup, not text
         elif self.mode != "after":
             self._text(self.buf)
         self.buf, self.raw = "", ""
