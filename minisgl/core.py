@@ -61,6 +61,9 @@ class InvalidRequest(ValueError):
         return message.replace(f"'{param}'", f"'{name}'")
 
 
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop. temperature 0 means greedy.
@@ -156,9 +159,13 @@ class SamplingParams:
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise InvalidRequest(f"'{name}' must be in [-2, 2], got {value!r}", name)
         r = self.repetition_penalty
-        if not _is_real(r) or not 0.0 < r < math.inf:
+        # > 0 as vLLM asks, and within a range where logits divided or multiplied by it stay finite
+        # (1e-300 would turn them into inf, then the probabilities into NaN)
+        if not _is_real(r) or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
             raise InvalidRequest(
-                f"'repetition_penalty' must be > 0 (1 is off), got {r!r}", "repetition_penalty"
+                f"'repetition_penalty' must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 is off), got {r!r}",
+                "repetition_penalty",
             )
         if self.logit_bias is not None:
             _validate_logit_bias(self.logit_bias)
