@@ -30,6 +30,19 @@ class ServerArgs(SchedulerConfig):
         metavar="KEY",
     )
     host: str = option("127.0.0.1", help="the HTTP server's address")
+    allowed_hosts: str = option(
+        "",
+        help="without --api-key, the Host names (comma-separated; * for any) accepted besides loopback "
+        "names and the --host address (any IP address and this machine's name when --host is 0.0.0.0); "
+        "others get 403: a web page that re-points its own name at this server cannot use it",
+        metavar="NAMES",
+    )
+    allowed_origins: str = option(
+        "",
+        help="without --api-key, the web pages (comma-separated origins such as https://app.example; * "
+        "for any) that may call this server besides its own and this machine's; others get 403",
+        metavar="ORIGINS",
+    )
     port: int = option(1919, help="the HTTP server's port", min=1, max=65535)
     num_tokenizer: int = option(
         0, help="0: one process tokenizes and detokenizes; N: N tokenizers + 1 detokenizer", min=0

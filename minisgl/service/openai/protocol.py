@@ -251,13 +251,30 @@ async def _read_body(request: Request, limit: int) -> tuple[bytearray, int]:
     return body, size
 
 
+def check_content_type(content_type: str | None) -> None:
+    """A JSON endpoint takes `application/json` (or `application/<x>+json`), as the openai SDK, `httpx`'s
+    `json=` and `curl -H 'Content-Type: application/json'` send it; anything else is HTTP 415. A web page
+    can POST text/plain or a form from anywhere without asking; a JSON type it cannot send unasked."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    got = f"got {printable(media)!r}" if media else "none was given"
+    raise APIError(
+        f"the request body must be JSON with 'Content-Type: application/json'; {got}",
+        None,
+        "unsupported_media_type",
+        status=415,
+    )
+
+
 async def read_json(
     request: Request, limit: int, max_items: int | None = None, timeout: float | None = None
 ) -> dict[str, Any]:
-    """The body as a JSON object; a body over `limit` bytes is refused, one not sent whole within
-    `timeout` seconds too (HTTP 408: a half-sent request must not hold a connection forever). Nesting,
-    strings and the size of every list and object are bounded (`check_json`), before anything costs more
-    than the parse itself."""
+    """The body as a JSON object (declared so: `check_content_type`); a body over `limit` bytes is
+    refused, one not sent whole within `timeout` seconds too (HTTP 408: a half-sent request must not hold
+    a connection forever). Nesting, strings and the size of every list and object are bounded
+    (`check_json`), before anything costs more than the parse itself."""
+    check_content_type(request.headers.get("content-type"))
     try:
         body, size = await asyncio.wait_for(_read_body(request, limit), timeout)
     except asyncio.TimeoutError:
@@ -312,13 +329,20 @@ def check_json(data: dict[str, Any], strings: bool, max_items: int | None = None
             )
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
-            field = top or str(key)
+            field = top or printable(str(key))
             if strings and isinstance(key, str):
                 _check_utf8(key, field)
             if isinstance(value, (dict, list)):
                 stack.append((value, depth + 1, field))
             elif strings and isinstance(value, str):
                 _check_utf8(value, field)
+
+
+def printable(name: str, limit: int = 64) -> str:
+    """A field name from the body, safe to put in a reply: a lone surrogate (or any non-ASCII character)
+    escaped as \\uXXXX, at most `limit` characters."""
+    escaped = name.encode("ascii", "backslashreplace").decode("ascii")
+    return escaped if len(escaped) <= limit else escaped[:limit] + "..."
 
 
 def _check_utf8(s: str, field: str) -> None:

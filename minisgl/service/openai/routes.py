@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +27,7 @@ from minisgl.utils.hf import load_hf_config
 
 from ..args import ServerArgs
 from .auth import APIKeyMiddleware
+from .browsers import LocalOnly, LocalOnlyMiddleware
 from .constraints import Constraint, requested, single
 from .embeddings import EmbeddingRenderer, EmbeddingRequest, embedding_msgs
 from .errors import (
@@ -85,11 +86,19 @@ class Job:
     names: FieldNames  # the endpoint's names for the fields an error may name
 
 
-def constrain(s: Sampling, found: list[Constraint]) -> None:
-    """Put the request's one constraint (checked) on its SamplingParams."""
+def constrain(s: Sampling, found: list[Constraint], names: FieldNames) -> FieldNames:
+    """Put the request's one constraint (checked) on its SamplingParams; the names its errors use."""
     c = single(found)
-    if c is not None:
-        c.apply(s.params)
+    if c is None:
+        return names
+    c.apply(s.params)
+    return replace(names, constraint=c.param)
+
+
+async def parsed(model: type[Any], data: dict[str, Any]) -> Any:
+    """`parse` off the event loop: validating a large body takes a while (the loop routes every stream's
+    replies meanwhile)."""
+    return await asyncio.to_thread(parse, model, data)
 
 
 def _check(reply: UserReply, names: FieldNames) -> None:
@@ -251,7 +260,7 @@ class OpenAIServer:
         return self.args.model_name
 
     async def chat(self, request: Request, data: dict[str, Any]) -> Response:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
+        req: ChatCompletionRequest = await parsed(ChatCompletionRequest, data)
         model = self.model_name(req.model)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
@@ -278,15 +287,20 @@ class OpenAIServer:
             names = FieldNames("messages", "max_completion_tokens" if use_completion else "max_tokens")
         max_tokens = req.max_completion_tokens if use_completion else req.max_tokens
         support = self.tool_support
-        tr = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, support)
+        # off the event loop: each tool's schema is checked, and a string schema parsed, in Python
+        tr = await asyncio.to_thread(
+            tool_request, req.tools, req.tool_choice, req.parallel_tool_calls, support
+        )
         messages, template_tools = template_messages(messages, tr, support)
         s = sampling(req, max_tokens, names, bool(req.logprobs), req.top_logprobs or 0)
         fmt = self.reasoning_format
         state = await asyncio.to_thread(self.reasoning_state, kwargs) if fmt is not None else CLOSED
-        c = single(with_tool_grammar(requested(req, req.response_format), tr, support))
+        found = await asyncio.to_thread(requested, req, req.response_format)
+        c = single(with_tool_grammar(found, tr, support))
         c = after_reasoning(c, fmt, state)
         if c is not None:
             c.apply(s.params)
+            names = replace(names, constraint=c.param)  # what a grammar's error names
         self.frontend.metrics.requests.labels("chat").inc()
         msgs = chat_fan_out(messages, s, self.limits, template_tools, kwargs)
         tools = support.fmt if tr is not None and tr.parses else None
@@ -295,14 +309,14 @@ class OpenAIServer:
     async def responses(self, request: Request, data: dict[str, Any]) -> Response:
         """POST /v1/responses: run as the chat completion it translates to (responses.py)."""
         check_supported(data)
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, chat_body(data))
+        req: ChatCompletionRequest = await parsed(ChatCompletionRequest, chat_body(data))
         model = self.model_name(req.model)
         msgs, names, output = await self.chat_msgs(req, FieldNames("input", "max_output_tokens"))
         renderer = ResponsesRenderer(model, f"resp_{uuid.uuid4().hex}", request=data, output=output)
         return await self.run(request, Job(renderer, msgs, [0], bool(req.stream), names))
 
     async def completions(self, request: Request, data: dict[str, Any]) -> Response:
-        req: CompletionRequest = parse(CompletionRequest, data)
+        req: CompletionRequest = await parsed(CompletionRequest, data)
         model = self.model_name(req.model)
         prompt_list = prompts(req.prompt, "prompt", self.limits)
         k = req.logprobs
@@ -318,7 +332,7 @@ class OpenAIServer:
         auto = req.max_tokens is None  # OpenAI's default: at most 16 tokens, fewer where the context ends
         max_tokens = COMPLETIONS_MAX_TOKENS if auto else req.max_tokens
         s = sampling(req, max_tokens, names, k is not None, k or 0, prompt_logprobs=prompt_k)
-        constrain(s, requested(req, req.response_format))
+        names = constrain(s, await asyncio.to_thread(requested, req, req.response_format), names)
         self.frontend.metrics.requests.labels("completions").inc()
         msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
         echoed = None
@@ -340,12 +354,12 @@ class OpenAIServer:
         return await self.run(request, Job(renderer, msgs, index, bool(req.stream), names))
 
     async def generate(self, request: Request, data: dict[str, Any]) -> Response:
-        req: GenerateRequest = parse(GenerateRequest, data)
+        req: GenerateRequest = await parsed(GenerateRequest, data)
         if (req.text is None) == (req.input_ids is None):
             raise APIError("give exactly one of 'text' and 'input_ids'", "text", "invalid_value")
         param = "text" if req.text is not None else "input_ids"
         prompt_list = prompts(req.text if req.text is not None else req.input_ids, param, self.limits)
-        sp: SamplingBody = parse(SamplingBody, dict(req.sampling_params or {}))
+        sp: SamplingBody = await parsed(SamplingBody, dict(req.sampling_params or {}))
         max_new = (sp.model_extra or {}).get("max_new_tokens", sp.max_tokens)
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool)):
             raise APIError("'max_new_tokens' must be an integer", "max_new_tokens", "invalid_type")
@@ -355,7 +369,7 @@ class OpenAIServer:
         prompt_k = top if req.return_logprob and start >= 0 else None  # SGLang: -1 is the output's only
         max_tokens = GENERATE_MAX_NEW_TOKENS if auto else max_new
         s = sampling(sp, max_tokens, names, req.return_logprob, top, prompt_k, max(start, 0))
-        constrain(s, requested(sp, None))
+        names = constrain(s, await asyncio.to_thread(requested, sp, None), names)
         self.frontend.metrics.requests.labels("generate").inc()
         msgs, index = fan_out(prompt_list, s, self.limits, max_tokens_auto=auto)
         renderer = GenerateRenderer(
@@ -376,7 +390,7 @@ class OpenAIServer:
 
     async def embeddings(self, request: Request, data: dict[str, Any]) -> Response:
         """POST /v1/embeddings: one embedding per input, computed beside generation (embeddings.py)."""
-        req: EmbeddingRequest = parse(EmbeddingRequest, data)
+        req: EmbeddingRequest = await parsed(EmbeddingRequest, data)
         model = self.model_name(req.model)
         msgs = embedding_msgs(req, self.limits, self.hidden_size)
         self.frontend.metrics.requests.labels("embeddings").inc()
@@ -388,12 +402,12 @@ class OpenAIServer:
         )
 
     async def tokenize(self, request: Request, data: dict[str, Any]) -> Response:
-        body: TokenizeBody = parse(TokenizeBody, data)
+        body: TokenizeBody = await parsed(TokenizeBody, data)
         self.model_name(body.model)
         return JSONResponse(await self.tokenizer.tokenize(body, self.max_seq_len))
 
     async def detokenize(self, request: Request, data: dict[str, Any]) -> Response:
-        body: DetokenizeBody = parse(DetokenizeBody, data)
+        body: DetokenizeBody = await parsed(DetokenizeBody, data)
         self.model_name(body.model)
         return JSONResponse(await self.tokenizer.detokenize(body))
 
@@ -404,7 +418,7 @@ class OpenAIServer:
             "object": "model",
             "created": self.created,
             "owned_by": "minisgl",
-            "root": self.args.model_path,
+            "root": name,  # vLLM puts the model's path here: a reply must not show the server's files
             "max_model_len": self.max_seq_len,
         }
 
@@ -429,6 +443,9 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, key=args.api_key)
+    else:  # no key: web pages and DNS-rebinding pages are kept out instead
+        policy = LocalOnly(args.host, args.allowed_hosts, args.allowed_origins)
+        app.add_middleware(LocalOnlyMiddleware, policy=policy)
     app.add_middleware(RequestIdMiddleware)  # outermost: a refused request's reply carries its id too
     add_worker_routes(app, server)
 
@@ -442,7 +459,7 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
             return server.refuse(model_not_found(name))
         return JSONResponse(server.model_card(name))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health_check() -> Response:
         ok = server.health()
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
