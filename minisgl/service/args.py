@@ -73,6 +73,12 @@ class ServerArgs(SchedulerConfig):
         "whole body (else HTTP 408); an idle keep-alive connection is closed after 5 s",
         min=0.1,
     )
+    shutdown_timeout: float = option(
+        30.0,
+        help="on SIGTERM: seconds the running requests have to finish (new ones get 503) before they are "
+        "ended (streams get a final chunk and [DONE]) and the service stops",
+        min=0,
+    )
     tool_call_parser: str = option(
         "auto",
         help="how the model writes tool calls (rendered for its chat template, parsed from its output): "

@@ -15,6 +15,7 @@ uvicorn shuts down, every worker unwinds on a SIGTERM, exit status 0. A dead wor
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import ctypes
 import errno
@@ -376,13 +377,39 @@ def check_model(model_dir: str, tp_size: int = 1, ep_size: int = 1) -> None:
 def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
     import uvicorn  # imported while the workers load
 
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server whose first SIGTERM first lets the running requests end (`stop_gracefully`,
+        openai/draining.py); a second one, or Ctrl-C, stops at once."""
+
+        def __init__(self, config: uvicorn.Config, stop_gracefully: Callable[[], Any]) -> None:
+            super().__init__(config)
+            self.stop_gracefully = stop_gracefully
+            self.draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig != signal.SIGTERM or self.draining or self.should_exit:
+                return super().handle_exit(sig, frame)
+            try:
+                loop = asyncio.get_running_loop()  # the handler runs on the loop's (main) thread
+            except RuntimeError:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            self._captured_signals.append(sig)  # raised again once uvicorn has stopped
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+        async def _drain(self) -> None:
+            try:
+                await self.stop_gracefully()
+            finally:
+                self.should_exit = True
+
     from .http_protocol import HeaderDeadlineProtocol
     from .openai import create_app
 
     ready = service.wait_ready()
     max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))
     app = create_app(args, max_seq_len, health=service.all_alive)
-    server = uvicorn.Server(
+    server = GracefulServer(
         uvicorn.Config(
             app,
             host=args.host,
@@ -393,7 +420,8 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
             timeout_keep_alive=5,  # an idle keep-alive connection is closed (uvicorn's default, stated)
             # ... and one that never finishes its headers too
             http=HeaderDeadlineProtocol.with_timeout(args.request_timeout),
-        )
+        ),
+        app.state.stop_gracefully,
     )
 
     def on_death(problem: str) -> None:
@@ -404,8 +432,8 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
     logger.info(
         f"Serving {args.served_model_name} (context {max_seq_len}) on http://{args.host}:{args.port}/v1"
     )
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then raises the signal again: it lands in
-    # `launch` as KeyboardInterrupt / StopRequested
+    # a SIGTERM drains the requests first (GracefulServer); then uvicorn shuts down and raises the signal
+    # again: it lands in `launch` as KeyboardInterrupt / StopRequested
     try:
         server.run(sockets=[sock])
     except OSError as e:  # listen() failed: another server bound the port while the model loaded

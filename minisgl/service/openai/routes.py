@@ -29,6 +29,7 @@ from ..args import ServerArgs
 from .auth import APIKeyMiddleware
 from .browsers import LocalOnly, LocalOnlyMiddleware
 from .constraints import Constraint, requested, single
+from .draining import Drain, DrainMiddleware
 from .embeddings import EmbeddingRenderer, EmbeddingRequest, embedding_msgs
 from .errors import (
     SERVER_ERROR,
@@ -446,7 +447,14 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     else:  # no key: web pages and DNS-rebinding pages are kept out instead
         policy = LocalOnly(args.host, args.allowed_hosts, args.allowed_origins)
         app.add_middleware(LocalOnlyMiddleware, policy=policy)
+    drain = Drain(args.shutdown_timeout)
+    app.add_middleware(DrainMiddleware, drain=drain)
     app.add_middleware(RequestIdMiddleware)  # outermost: a refused request's reply carries its id too
+
+    async def stop_gracefully() -> None:  # on SIGTERM (service/launch.py)
+        await drain.run(lambda: len(server.frontend.queues), server.frontend.end_all)
+
+    app.state.stop_gracefully = stop_gracefully
     add_worker_routes(app, server)
 
     @app.get("/v1/models")

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
-from minisgl.core import PromptLogprobs
+from minisgl.core import FinishReason, PromptLogprobs
 from minisgl.message import (
     AbortMsg,
     FlushCacheMsg,
@@ -96,6 +96,15 @@ class FrontendManager:
         logger.warning(f"Aborting request {order[0]}{more}")  # one line per HTTP request, not per sequence
         for uid in order:
             self.send.put_nowait(AbortMsg(uid))
+
+    def end_all(self) -> None:
+        """End every request still running (the server stops): each gets a final reply, finish reason
+        "abort", and the scheduler an abort."""
+        for uid, gen in list(self.queues.items()):
+            last = gen.unread.get(uid)
+            if last is None or not last.finished:  # (else its end is there, not yet taken)
+                gen.push(uid, "", [], {"finished": True, "finish_reason": FinishReason.ABORT.value})
+        self.abort(set(self.queues))
 
     def flush_cache(self) -> None:
         """Ask the scheduler to empty its prefix cache (it refuses while requests run or wait)."""
