@@ -6,8 +6,11 @@
 Starts the service (`python -m minisgl` on a free port), runs 8 streaming completions and measures the
 longest gap between two chunks of any of them, first alone, then while hostile prompts arrive: a prompt at
 the body limit (--max-request-bytes) and one at the byte bound of the context, a chat of as many short
-messages as the body limit holds and one of as many as the context allows. Prints both figures; the
-target is "with" <= "alone" + 0.5 s.
+messages as the body limit holds and one of as many as the context allows; then hostile constraints: a
+JSON schema string of arrays nested 800 deep, one 1,000 deep, a 20,000-value enum abandoned by its client
+after 2 s, a trivial schema right after it (how long it waits), 128 tools with tool_choice "required"
+and an object of 3,000 optional properties (each given at most --constraint-timeout seconds). Prints
+both figures; the target is "with" <= "alone" + 0.5 s.
 """
 
 from __future__ import annotations
@@ -58,9 +61,12 @@ def start_service(model: str | None, extra: list[str]) -> tuple[subprocess.Popen
     raise TimeoutError("the service did not start")
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, arrivals: list[float]) -> None:
-    # 8 x 512 tokens fit any KV pool here: all 8 run at once
-    body = {"prompt": f"Count from {i} onwards:", "max_tokens": 512, "temperature": 0, "ignore_eos": True}
+STREAM_TOKENS = 512  # 8 x 512 tokens fit any KV pool here: all 8 run at once (--stream-tokens)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int, arrivals: list[float], tokens: int) -> None:
+    body = {"prompt": f"Count from {i} onwards:", "max_tokens": tokens, "temperature": 0}
+    body["ignore_eos"] = True
     body["stream"] = True
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -69,6 +75,38 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, arrivals: list[fl
                     arrivals.append(time.perf_counter())
     except (httpx.HTTPError, asyncio.CancelledError):
         pass
+
+
+def _nested_arrays(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
+
+
+def hostile_constraints() -> list[tuple[str, bytes, float | None]]:
+    """(path, body, client timeout: None for the default): constraints that are slow or deep to parse
+    or compile; the 20,000-value enum is abandoned by its client."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    tools = [
+        {"type": "function", "function": dict(tool["function"], name=f"tool_{i}", parameters={
+            "type": "object",
+            "properties": {"x": {"type": ["string", "integer", "null"]}},
+        })}
+        for i in range(128)
+    ]  # fmt: skip
+    enum = {"type": "string", "enum": [f"value number {i} of the enumeration" for i in range(20_000)]}
+    props = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(3_000)}}
+    bodies = [
+        ({"prompt": "hi", "max_tokens": 4, "json_schema": _nested_arrays(800)}, None),
+        ({"prompt": "hi", "max_tokens": 4, "guided_json": _nested_arrays(1000)}, None),
+        ({"prompt": "hi", "max_tokens": 4, "json_schema": json.dumps(enum)}, 2.0),
+        ({"prompt": "hi", "max_tokens": 4, "json_schema": '{"type": "object"}'}, None),
+        (dict(chat, tools=tools, tool_choice="required"), None),
+        ({"prompt": "hi", "max_tokens": 4, "json_schema": json.dumps(props)}, None),
+    ]
+    return [
+        ("/v1/chat/completions" if "messages" in b else "/v1/completions", json.dumps(b).encode(), t)
+        for b, t in bodies
+    ]
 
 
 def hostile_bodies(max_request_bytes: int, context: int, bytes_per_token: int) -> list[tuple[str, bytes]]:
@@ -86,13 +124,19 @@ def hostile_bodies(max_request_bytes: int, context: int, bytes_per_token: int) -
     ]
 
 
-async def measure(url: str, window: float, hostile: list[tuple[str, bytes]]) -> tuple[float, list[Any]]:
+async def measure(
+    url: str,
+    window: float,
+    hostile: list[tuple[str, bytes, float | None]],
+    timeout: float = 600,
+    tokens: int = STREAM_TOKENS,
+) -> tuple[float, list[Any]]:
     """The longest gap between two chunks of any of the 8 streams over `window` seconds (after they all
     started), while the `hostile` bodies are sent one after the other; and the answers to those."""
     arrivals: list[list[float]] = [[] for _ in range(STREAMS)]
     answers: list[Any] = []
     async with httpx.AsyncClient(timeout=600) as client:
-        tasks = [asyncio.create_task(_stream(client, url, i, arrivals[i])) for i in range(STREAMS)]
+        tasks = [asyncio.create_task(_stream(client, url, i, arrivals[i], tokens)) for i in range(STREAMS)]
         deadline = time.monotonic() + 300
         while not all(len(a) >= 2 for a in arrivals):
             if time.monotonic() > deadline or all(t.done() for t in tasks):
@@ -100,11 +144,18 @@ async def measure(url: str, window: float, hostile: list[tuple[str, bytes]]) -> 
             await asyncio.sleep(0.05)
         start = time.perf_counter()
         await asyncio.sleep(0.5)
-        for path, body in hostile:
+        for path, body, limit in hostile:
             t = time.perf_counter()
             headers = {"Content-Type": "application/json"}
-            r = await client.post(f"{url}{path}", content=body, headers=headers)
-            answers.append((path, len(body), r.status_code, round(time.perf_counter() - t, 2)))
+            try:  # each on a connection of its own: a request given up on closes its connection
+                async with httpx.AsyncClient(timeout=limit or timeout) as one:
+                    r = await one.post(f"{url}{path}", content=body, headers=headers)
+                status: Any = r.status_code
+            except httpx.TimeoutException:
+                status = "no answer (client gave up)"
+            except httpx.HTTPError as e:  # e.g. the connection closed: the server's process died?
+                status = f"{type(e).__name__} (no answer)"
+            answers.append((path, len(body), status, round(time.perf_counter() - t, 2)))
         await asyncio.sleep(max(0.0, window - (time.perf_counter() - start)))
         end = time.perf_counter()
         for task in tasks:
@@ -120,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=8.0, help="seconds of streaming measured per phase")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20)
     p.add_argument("--server-arg", action="append", default=[], help="one more argument for the service")
+    p.add_argument(
+        "--constraint-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a client waits for a hostile constraint",
+    )
+    p.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS, help="tokens each stream generates")
     args = p.parse_args(argv)
     try:
         from minisgl.service.openai.params import BYTES_PER_TOKEN
@@ -130,16 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_service(args.model, extra)
     try:
         context = int(httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"])
-        alone, _ = asyncio.run(measure(url, args.window, []))
-        hostile = hostile_bodies(args.max_request_bytes, context, BYTES_PER_TOKEN)
-        loaded, answers = asyncio.run(measure(url, args.window, hostile))
+        alone, _ = asyncio.run(measure(url, args.window, [], tokens=args.stream_tokens))
+        hostile = [(p, b, None) for p, b in hostile_bodies(args.max_request_bytes, context, BYTES_PER_TOKEN)]
+        hostile += hostile_constraints()
+        loaded, answers = asyncio.run(
+            measure(url, args.window, hostile, args.constraint_timeout, args.stream_tokens)
+        )
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
     for path, size, status, seconds in answers:
         print(f"hostile {path}: {size} bytes -> HTTP {status} in {seconds} s")
     print(f"longest gap between two chunks of {STREAMS} streams, alone: {alone:.3f} s")
-    print(f"longest gap between two chunks of {STREAMS} streams, with the hostile prompts: {loaded:.3f} s")
+    print(f"longest gap between two chunks of {STREAMS} streams, with the hostile requests: {loaded:.3f} s")
     return 0
 
 
