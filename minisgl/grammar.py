@@ -53,6 +53,7 @@ MAX_CHECKED = 256  # constraints remembered as parsed (by their hash)
 DEFAULT_COMPILE_TIMEOUT = 20.0  # seconds one constraint may take to compile (--grammar-compile-timeout)
 DEFAULT_CACHE_MB = 256  # compiled grammars kept, in MiB of token tables (--grammar-cache-mb)
 COMPILE_PROCESSES = 2  # compile workers: a slow compile leaves the other free for everyone else
+MAX_TRANSFER = 512 << 20  # a compiled grammar's serialized form, sent back to the scheduler
 POLL_S = 0.02  # the compile dispatcher's wake-up when nothing arrives
 BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
 _WHAT = {
@@ -256,25 +257,37 @@ class GrammarCompiler:
             self._fail_all(RuntimeError(f"the grammar compiler did not start: {e}"))
             return
         while not self._stopped:
-            self._dispatch()
-            busy = {w.conn: w for w in self._workers if w.job is not None}
-            if busy:
-                for conn in mp_connection.wait(list(busy), timeout=POLL_S):
-                    self._receive(busy[conn])  # type: ignore[index]
-            else:
-                self._wake.wait(POLL_S)
-            self._wake.clear()
-            self._expire()
+            try:
+                self._round()
+            except Exception:  # a bug here must not leave every later constraint waiting forever
+                logger.exception("the grammar compile dispatcher failed; it carries on")
+                time.sleep(POLL_S)
+
+    def _round(self) -> None:
+        self._dispatch()
+        busy = {w.conn: w for w in self._workers if w.job is not None}
+        if busy:
+            for conn in mp_connection.wait(list(busy), timeout=POLL_S):
+                self._receive(busy[conn])  # type: ignore[index]
+        else:
+            self._wake.wait(POLL_S)
+        self._wake.clear()
+        self._expire()
 
     def _dispatch(self) -> None:
         with self._lock:
             while self._queue and (idle := next((w for w in self._workers if w.job is None), None)):
                 job = self._queue.popleft()
-                if job.waiters:
-                    idle.start(job, self.cache_bytes)
-                else:
+                if not job.waiters:
                     self._jobs.pop(job.key, None)
                     job.future.cancel()
+                    continue
+                try:
+                    idle.start(job, self.cache_bytes)
+                except OSError:  # its process died while idle: a fresh one, and this job fails
+                    idle.restart()
+                    self._jobs.pop(job.key, None)
+                    job.future.set_exception(RuntimeError("the grammar compiler process died"))
 
     def _receive(self, w: _CompileWorker) -> None:
         job = w.job
@@ -290,9 +303,9 @@ class GrammarCompiler:
             logger.warning(
                 f"xgrammar warned {num_warnings} times on a {job.key[0]} constraint; first: {first}"
             )
-        if status != "ok":
+        if status != "ok":  # the constraint's fault, for good: refused at once when sent again
             kind = job.key[0]
-            self._finish(job, error=InvalidRequest(f"'{kind}' {payload}", kind))
+            self._finish(job, error=self._refuse(job.key, f"'{kind}' {payload}"))
             return
         compiled = _xgr().CompiledGrammar.deserialize_json(payload, self._info)
         self._finish(job, compiled)
@@ -313,11 +326,15 @@ class GrammarCompiler:
                     f"'{kind}' did not compile within {self.timeout:g} s (--grammar-compile-timeout); "
                     "simplify it (fewer alternatives, properties or tools)"
                 )
-                error = InvalidRequest(message, kind)
-                self._refused[_digest(*job.key)] = error
-                if len(self._refused) > MAX_CHECKED:
-                    self._refused.popitem(last=False)
-                self._finish(job, error=error)
+                self._finish(job, error=self._refuse(job.key, message))
+
+    def _refuse(self, key: tuple[str, str], message: str) -> InvalidRequest:
+        error = InvalidRequest(message, key[0])
+        with self._lock:
+            self._refused[_digest(*key)] = error
+            if len(self._refused) > MAX_CHECKED:
+                self._refused.popitem(last=False)
+        return error
 
     def _finish(self, job: _Job, compiled: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
@@ -451,7 +468,10 @@ def _compile_checked(compiler: Any, info: Any, kind: str, text: str, max_bytes: 
     matcher.fill_next_token_bitmask(bits)
     if not bool(bits.any()):  # not even a stop token: no output can satisfy it
         raise _Refused(f"is a {_WHAT[kind]} that no output can satisfy")
-    return compiled.serialize_json()
+    serialized = compiled.serialize_json()  # some 20x the tables' size
+    if len(serialized) > MAX_TRANSFER:
+        raise _Refused(f"compiles to {len(serialized) >> 20} MiB of serialized tables; simplify it")
+    return serialized
 
 
 def new_matcher(compiled: Any) -> Any:
