@@ -155,14 +155,17 @@ async def measure(
                 status = "no answer (client gave up)"
             except httpx.HTTPError as e:  # e.g. the connection closed: the server's process died?
                 status = f"{type(e).__name__} (no answer)"
-            answers.append((path, len(body), status, round(time.perf_counter() - t, 2)))
+            answers.append([path, len(body), status, t, time.perf_counter()])
         await asyncio.sleep(max(0.0, window - (time.perf_counter() - start)))
         end = time.perf_counter()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    gaps = [b - a for arr in arrivals for a, b in itertools.pairwise(arr) if a >= start and b <= end]
-    return max(gaps, default=float("nan")), answers
+    pairs = [(a, b) for arr in arrivals for a, b in itertools.pairwise(arr) if a >= start and b <= end]
+    for answer in answers:  # which request a stall happened under: the longest gap overlapping it
+        t0, t1 = answer[3:]
+        answer[3:] = [round(t1 - t0, 2), max((b - a for a, b in pairs if b > t0 and a < t1), default=0.0)]
+    return max((b - a for a, b in pairs), default=float("nan")), answers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
-    for path, size, status, seconds in answers:
-        print(f"hostile {path}: {size} bytes -> HTTP {status} in {seconds} s")
+    for path, size, status, seconds, gap in answers:
+        print(
+            f"hostile {path}: {size} bytes -> HTTP {status} in {seconds} s; longest gap meanwhile {gap:.3f} s"
+        )
     print(f"longest gap between two chunks of {STREAMS} streams, alone: {alone:.3f} s")
     print(f"longest gap between two chunks of {STREAMS} streams, with the hostile requests: {loaded:.3f} s")
     return 0
