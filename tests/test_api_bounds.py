@@ -314,7 +314,7 @@ def test_the_prompt_tokenizer_turns_every_failure_into_that_requests_error(monke
 def test_a_half_sent_body_is_a_408_after_the_request_timeout_and_others_are_served_meanwhile(service):
     port = int(service.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         sock.sendall(f"{head}Content-Length: 1000\r\n\r\n".encode() + b'{"prompt": "hi"')  # and no more
         t0 = time.monotonic()
         assert_still_serving(service)  # the half-sent request holds nothing up
@@ -340,13 +340,14 @@ def test_headers_never_finished_close_the_connection_after_the_request_timeout(s
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         if after_a_request:
             body = json.dumps(COMPLETION).encode()
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+            head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            head += f"Content-Length: {len(body)}\r\n\r\n"
             sock.sendall(head.encode() + body)
             answer = b""
             while not answer.rstrip().endswith(b"}"):
                 answer += sock.recv(65536)
             assert answer.split()[1] == b"200", answer
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and no more
         t0 = time.monotonic()
         assert_still_serving(service)
         while sock.recv(65536):  # until the server closes the connection

@@ -199,7 +199,7 @@ def test_framework_validation_and_unexpected_exceptions_answer_error_objects_and
     async def bug() -> dict:
         raise RuntimeError("an unexpected failure")
 
-    c = TestClient(app, raise_server_exceptions=False)
+    c = TestClient(app, raise_server_exceptions=False, base_url="http://localhost")  # a loopback Host
     err = assert_error_object(c.get("/typed/abc"), 400, "invalid_value")
     assert err["param"] == "n"
     for _ in range(2):  # a failure leaves the app serving
