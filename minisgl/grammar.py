@@ -54,6 +54,7 @@ DEFAULT_COMPILE_TIMEOUT = 20.0  # seconds one constraint may take to compile (--
 DEFAULT_CACHE_MB = 256  # compiled grammars kept, in MiB of token tables (--grammar-cache-mb)
 COMPILE_PROCESSES = 2  # compile workers: a slow compile leaves the other free for everyone else
 MAX_TRANSFER = 512 << 20  # a compiled grammar's serialized form, sent back to the scheduler
+COMPILE_NICENESS = 10  # the compile processes' priority below the scheduler's
 POLL_S = 0.02  # the compile dispatcher's wake-up when nothing arrives
 BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
 _WHAT = {
@@ -392,6 +393,10 @@ class _CompileWorker:
             daemon=True,
         )
         self.proc.start()
+        try:  # compiling is background work: the model's steps (and the streams) come first
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, COMPILE_NICENESS)
+        except OSError:
+            pass
         child.close()
 
     def start(self, job: _Job, max_bytes: int) -> None:
