@@ -107,6 +107,20 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(message, param, "invalid_value")
 
 
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    """A 400 naming `param` when `schema` is not a valid JSON Schema (against the meta-schema of the draft
+    it names, 2020-12 by default, as OpenAI checks a function's parameters). The body's depth bound makes
+    the validator's recursion safe."""
+    from jsonschema import SchemaError, validators
+
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        at = f" at '{where}'" if where else ""
+        raise _bad(f"'{param}' is not a valid JSON Schema{at}: {e.message[:300]}", param) from None
+
+
 def _check_tool(i: int, tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(name, normalized tool) of tools[i]; the parameters must be an object schema xgrammar reads."""
     where = f"tools[{i}]"
@@ -129,7 +143,8 @@ def _check_tool(i: int, tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             f'\'{where}.function.parameters\' must be a JSON Schema of an object ({{"type": "object", ...}})',
             f"{where}.function.parameters",
         )
-    check(Constraint("json_schema", json.dumps(params), f"{where}.function.parameters"))
+    check(Constraint("json_schema", json.dumps(params), f"{where}.function.parameters"))  # its bounds
+    _check_schema(params, f"{where}.function.parameters")
     return name, {"type": "function", "function": dict(fn, parameters=params)}
 
 
