@@ -61,7 +61,7 @@ class InvalidRequest(ValueError):
         return message.replace(f"'{param}'", f"'{name}'")
 
 
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 100.0
 
 
 @dataclass
