@@ -54,6 +54,7 @@ DEFAULT_COMPILE_TIMEOUT = 20.0  # seconds one constraint may take to compile (--
 DEFAULT_CACHE_MB = 256  # compiled grammars kept, in MiB of token tables (--grammar-cache-mb)
 COMPILE_PROCESSES = 2  # compile workers: a slow compile leaves the other free for everyone else
 MAX_TRANSFER = 512 << 20  # a compiled grammar's serialized form, sent back to the scheduler
+SERIALIZED_RATIO = 16  # at least this many bytes of serialized form per byte of token tables (measured 22)
 COMPILE_NICENESS = 10  # the compile processes' priority below the scheduler's
 POLL_S = 0.02  # the compile dispatcher's wake-up when nothing arrives
 BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
@@ -473,7 +474,14 @@ def _compile_checked(compiler: Any, info: Any, kind: str, text: str, max_bytes: 
     matcher.fill_next_token_bitmask(bits)
     if not bool(bits.any()):  # not even a stop token: no output can satisfy it
         raise _Refused(f"is a {_WHAT[kind]} that no output can satisfy")
-    serialized = compiled.serialize_json()  # some 20x the tables' size
+    # the serialized form is some 20x the tables (a 194 MiB enum of 20,000 values would be ~4 GiB of
+    # JSON): refused before it is made
+    if size * SERIALIZED_RATIO > MAX_TRANSFER:
+        raise _Refused(
+            f"compiles to {size / 2**20:.0f} MiB of token tables, more than the "
+            f"{MAX_TRANSFER / SERIALIZED_RATIO / 2**20:.0f} MiB a compile process can hand over; simplify it"
+        )
+    serialized = compiled.serialize_json()
     if len(serialized) > MAX_TRANSFER:
         raise _Refused(f"compiles to {len(serialized) >> 20} MiB of serialized tables; simplify it")
     return serialized
