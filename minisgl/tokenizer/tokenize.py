@@ -52,11 +52,11 @@ class TokenizeManager:
             return [int(t) for t in msg.input_ids]
         if msg.messages is not None:
             text = chat_text(self.tokenizer, msg.messages, msg.tools, msg.chat_template_kwargs)
-            return self._encode_chat(text, msg.messages)
+            return self.encode_chat(text, msg.messages)
         assert msg.text is not None, "a TokenizeMsg carries text, messages or input_ids"
         return list(self.tokenizer.encode(msg.text))  # as LLM.generate does for a string prompt
 
-    def _encode_chat(self, text: str, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, text: str, messages: list[dict[str, Any]]) -> list[int]:
         """The templated chat's ids (the template has BOS if any), with the special strings inside
         untrusted content encoded as text."""
         spans = [] if self.allow_special_in_content else self._untrusted_spans(text, messages)

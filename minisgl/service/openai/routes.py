@@ -115,7 +115,7 @@ class OpenAIServer:
         self.args, self.max_seq_len, self.health = args, max_seq_len, health
         self.created = int(time.time())
         self.limits = Limits.of(args, max_seq_len)
-        self.tokenizer = ServerTokenizer(args.model_path, self.limits)
+        self.tokenizer = ServerTokenizer(args.model_path, self.limits, args.allow_special_tokens_in_content)
         self._states: dict[str, str] = {}  # chat_template_kwargs (JSON) -> reasoning prompt state
         self._frontend: FrontendManager | None = None
 

@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
-from minisgl.tokenizer import chat_text
+from minisgl.tokenizer import TokenizeManager, chat_text
 from minisgl.utils.hf import load_tokenizer
 
 from .errors import APIError
@@ -47,9 +47,11 @@ class DetokenizeBody(_Body):
 class ServerTokenizer:
     """The API server's own tokenizer, loaded on first use (thread-safe)."""
 
-    def __init__(self, model_path: str, limits: Limits) -> None:
+    def __init__(self, model_path: str, limits: Limits, allow_special_in_content: bool = False) -> None:
         self.model_path, self.limits = model_path, limits
+        self.allow_special_in_content = allow_special_in_content
         self._tokenizer: Any = None
+        self._chat: TokenizeManager | None = None  # encodes a chat as the tokenizer worker does
         self._lock = threading.Lock()
         self._pieces: dict[int, str] = {}  # token id -> its text decoded alone (bounded by the vocabulary)
 
@@ -58,6 +60,7 @@ class ServerTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(self.model_path)
+                self._chat = TokenizeManager(self._tokenizer, self.allow_special_in_content)
             return self._tokenizer
 
     def piece(self, token: int) -> str:
@@ -104,7 +107,11 @@ class ServerTokenizer:
                 text = chat_text(tok, messages, body.tools, kwargs, body.add_generation_prompt)
             except ValueError as e:
                 raise APIError(str(e), "messages", "invalid_value") from None
-            ids = list(tok.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+            if body.add_special_tokens:
+                ids = list(tok.encode(text, add_special_tokens=True))
+            else:  # as the worker encodes the prompt: special strings typed in content stay text
+                assert self._chat is not None
+                ids = self._chat.encode_chat(text, messages)
         return ids, tok.convert_ids_to_tokens(ids)
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
