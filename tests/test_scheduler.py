@@ -5,6 +5,7 @@ Every test ends with the integrity check: every page free or held by the prefix 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -126,6 +127,11 @@ def test_chunked_prefill_equals_unchunked_and_hf(tiny_model_dirs, hf_reference):
     prefill_steps = [lens for phase, lens in batches if phase == Phase.PREFILL]
     assert max(sum(lens) for lens in prefill_steps) <= 64
     assert len(prefill_steps) >= 1000 // 64
+    # while the short request decodes, each chunk is followed by its decode step: no two prefill steps in
+    # a row, so the long prompt delays its stream by one chunk at a time
+    phases = [phase for phase, _ in batches]
+    last_chunk = len(phases) - 1 - phases[::-1].index(Phase.PREFILL)
+    assert all(not (a == b == Phase.PREFILL) for a, b in itertools.pairwise(phases[: last_chunk + 1]))
     assert stats["computed_prompt_tokens"] == sum(len(p) for p in prompts)
     assert_tokens_equal_hf(chunked[1], hf_reference(ARCH), long_prompt, what="1000-token chunked prompt")
     assert_tokens_equal_hf(chunked[2], hf_reference(ARCH), prompts[2], what="70-token prompt")

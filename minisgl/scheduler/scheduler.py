@@ -89,6 +89,7 @@ class Scheduler:
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._staging = HostRing(self.device)  # pinned buffers for the per-step host -> device copy
         self._pending_outputs: list[StepOutput] = []
+        self._chunk_left = False  # the last prefill step left a prompt's chunk for later
         self.num_retractions = 0
         self.last_batch_size = 0
         self.max_batch_size = 0
@@ -247,8 +248,17 @@ class Scheduler:
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _schedule(self) -> Batch | None:
+        # a long prompt's chunks take turns with the running requests' decode steps: the prompt delays
+        # their streams by one chunk at a time, not by its whole prefill (a 6,400-token prompt held every
+        # stream of a CPU service for 15 s)
+        if self._chunk_left and self.decode.running:
+            self._chunk_left = False
+            batch = self._prepare_decode()
+            if batch is not None:
+                return batch
         plan = self.prefill.schedule(self.decode.running)
         if plan is not None:
+            self._chunk_left = self.prefill.chunked is not None
             return self._prepare_prefill(plan)
         return self._prepare_decode()
 
