@@ -137,6 +137,43 @@ def test_chunked_prefill_equals_unchunked_and_hf(tiny_model_dirs, hf_reference):
     assert_tokens_equal_hf(chunked[2], hf_reference(ARCH), prompts[2], what="70-token prompt")
 
 
+def test_a_long_prompt_arriving_while_others_decode_is_cut_into_small_cpu_chunks(
+    tiny_model_dirs, hf_reference
+):
+    """On a CPU, a prompt that arrives while requests decode is computed at most CPU_BUSY_PREFILL tokens
+    a step (the default budget is far larger), each chunk followed by a decode step; alone, a prompt
+    still takes the whole budget. Both requests' tokens equal HF."""
+    from minisgl.scheduler.scheduler import CPU_BUSY_PREFILL
+
+    long_prompt = random_prompt(2 * CPU_BUSY_PREFILL + 100, VOCAB, seed=21)
+    short = random_prompt(5, VOCAB, seed=22)
+    with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(num_page_override=8192)) as llm:
+        sched = llm.scheduler
+        seen = record_batches(llm)
+        sched.add_request(1, short, greedy(60))
+        tokens: dict[int, list[int]] = {1: [], 2: []}
+        for _ in range(3):  # the short request is decoding
+            for out in sched.step():
+                tokens[out.uid].append(out.token_id)
+        first = len(seen)
+        sched.add_request(2, long_prompt, greedy(4))
+        while sched.has_work:
+            for out in sched.step():
+                tokens[out.uid].append(out.token_id)
+        assert_all_kv_free(llm)
+    prefills = [sum(lens) for phase, lens in seen[first:] if phase == Phase.PREFILL]
+    assert prefills == [CPU_BUSY_PREFILL, CPU_BUSY_PREFILL, 100]  # hand count: 2 full chunks and the rest
+    phases = [phase for phase, _ in seen[first:]]
+    last = len(phases) - 1 - phases[::-1].index(Phase.PREFILL)
+    assert all(not (a == b == Phase.PREFILL) for a, b in itertools.pairwise(phases[: last + 1]))
+    assert_tokens_equal_hf(tokens[2], hf_reference(ARCH), long_prompt, what="prompt cut while others decode")
+    assert_tokens_equal_hf(tokens[1], hf_reference(ARCH), short, what="the request decoding meanwhile")
+    # alone, the same prompt is one prefill step (the budget is 8,192)
+    batches: list[tuple[str, list[int]]] = []
+    run(tiny_model_dirs[ARCH], [long_prompt], greedy(2), batches=batches)
+    assert [sum(lens) for phase, lens in batches if phase == Phase.PREFILL] == [len(long_prompt)]
+
+
 @pytest.mark.parametrize("budget", [1, 7])
 def test_tiny_prefill_budgets_equal_unchunked(tiny_model_dirs, budget):
     prompts = [random_prompt(n, VOCAB, seed=n) for n in (23, 5, 40)]

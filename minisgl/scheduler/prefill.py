@@ -77,10 +77,11 @@ class PrefillManager:
         req.pages.extend(pages)
         return True
 
-    def schedule(self, running: list[Req]) -> PrefillPlan | None:
-        """Pick this step's prefill work: the chunked request first, then waiting requests in order."""
+    def schedule(self, running: list[Req], cap: int | None = None) -> PrefillPlan | None:
+        """Pick this step's prefill work: the chunked request first, then waiting requests in order
+        (`cap`: a smaller token budget for this step)."""
         plan = PrefillPlan([], [], [])
-        budget = self.budget
+        budget = self.budget if cap is None else min(cap, self.budget)
         reserved = self.reserved_pages(running)
         if self.chunked is not None:
             req = self.chunked

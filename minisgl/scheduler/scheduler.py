@@ -34,6 +34,8 @@ from .table import TableManager
 
 logger = init_logger(__name__)
 
+CPU_BUSY_PREFILL = 512  # prompt tokens of a CPU prefill step while other requests decode (~1-2 s there)
+
 
 @dataclass
 class StepOutput:
@@ -90,6 +92,9 @@ class Scheduler:
         self._staging = HostRing(self.device)  # pinned buffers for the per-step host -> device copy
         self._pending_outputs: list[StepOutput] = []
         self._chunk_left = False  # the last prefill step left a prompt's chunk for later
+        # while requests decode, a CPU prefill step takes at most this many prompt tokens: a chunk then
+        # delays the running streams by about a second, not by a long prompt's whole prefill
+        self.busy_prefill_budget = CPU_BUSY_PREFILL if self.device.type == "cpu" else None
         self.num_retractions = 0
         self.last_batch_size = 0
         self.max_batch_size = 0
@@ -256,7 +261,8 @@ class Scheduler:
             batch = self._prepare_decode()
             if batch is not None:
                 return batch
-        plan = self.prefill.schedule(self.decode.running)
+        busy = self.busy_prefill_budget if self.decode.running else None
+        plan = self.prefill.schedule(self.decode.running, busy)
         if plan is not None:
             self._chunk_left = self.prefill.chunked is not None
             return self._prepare_prefill(plan)
