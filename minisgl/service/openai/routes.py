@@ -476,33 +476,22 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
     async def metrics() -> Response:
         return Response(server.frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await server.guarded(request, server.chat)
+    def guarded(handler: Callable[[Request, dict[str, Any]], Awaitable[Response]]) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await server.guarded(request, handler)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await server.guarded(request, server.responses)
+        return endpoint
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await server.guarded(request, server.completions)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await server.guarded(request, server.generate)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await server.guarded(request, server.embeddings)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await server.guarded(request, server.tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await server.guarded(request, server.detokenize)
+    for path, handler in (  # the endpoints that take a JSON body: read and refused alike
+        ("/v1/chat/completions", server.chat),
+        ("/v1/responses", server.responses),
+        ("/v1/completions", server.completions),
+        ("/generate", server.generate),
+        ("/v1/embeddings", server.embeddings),
+        ("/tokenize", server.tokenize),
+        ("/detokenize", server.detokenize),
+    ):
+        app.post(path, name=path.strip("/").replace("/", "_"))(guarded(handler))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
