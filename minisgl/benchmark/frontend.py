@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     worker = ctx.Process(
-        target=backend, args=(sargs.request_addr, sargs.frontend_addr, args.step_ms, ready), daemon=True
+        target=backend, args=(sargs.request_addrs[0], sargs.frontend_addr, args.step_ms, ready), daemon=True
     )
     worker.start()
     ready.wait(60)

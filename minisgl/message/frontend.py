@@ -78,6 +78,20 @@ class ReplyBatch:
         self.token_ids += other.token_ids
         self.info.update({n + i: v for i, v in other.info.items()})
 
+    def split(self, k: int) -> list[ReplyBatch]:
+        """The rows for each of k API servers: server i owns the uids equal to i modulo k."""
+        if k == 1:
+            return [self]
+        parts = [ReplyBatch() for _ in range(k)]
+        for i, uid in enumerate(self.uids):
+            part = parts[uid % k]
+            if i in self.info:
+                part.info[len(part.uids)] = self.info[i]
+            part.uids.append(uid)
+            part.texts.append(self.texts[i])
+            part.token_ids.append(self.token_ids[i])
+        return parts
+
     def replies(self) -> list[UserReply]:
         """The rows as UserReply objects, in order."""
         out = []

@@ -47,6 +47,12 @@ class ServerArgs(SchedulerConfig):
     num_tokenizer: int = option(
         0, help="0: one process tokenizes and detokenizes; N: N tokenizers + 1 detokenizer", min=0
     )
+    api_server_count: int = option(
+        1,
+        help="API server processes sharing the HTTP port (vLLM's option): more when one process's CPU is "
+        "the limit, as with hundreds of streams on a GPU; /metrics sums over them",
+        min=1,
+    )
     stream_interval: int = option(
         1,
         help="a stream sends a request's new text with its first token, then every N tokens and at its "
@@ -118,6 +124,8 @@ class ServerArgs(SchedulerConfig):
         if self.dp_size > 1 and (self.shell or self.nnodes > 1):
             why = "--shell" if self.shell else "--nnodes > 1 (run the router in front of each node's service)"
             raise OptionError("dp_size", f"must be 1 with {why}")
+        if self.api_server_count > 1 and self.shell:
+            raise OptionError("api_server_count", "must be 1 with --shell (no HTTP server)")
         if self.dp_size > 1 and self.port + self.dp_size > 65535:
             raise OptionError("dp_size", f"the replicas' ports {self.port}+1..+{self.dp_size} pass 65535")
 
@@ -147,12 +155,17 @@ class ServerArgs(SchedulerConfig):
         return "ipc://" + os.path.join(self.ipc_dir, name)
 
     @property
-    def frontend_addr(self) -> str:  # API server PULL: replies from the detokenizer
+    def frontend_addr(self) -> str:  # API server 0's PULL: replies from the detokenizer
         return self._addr("frontend")
 
     @property
-    def tokenizer_addr(self) -> str:  # API server PUSH -> the N tokenizers (N > 0)
-        return self._addr("tokenizer")
+    def frontend_addrs(self) -> list[str]:
+        """Each API server's PULL; a reply goes to the one whose index is its uid modulo the count."""
+        return [self.frontend_addr] + [self._addr(f"frontend-{i}") for i in range(1, self.api_server_count)]
+
+    @property
+    def tokenizer_addrs(self) -> list[str]:  # each of the N tokenizers' PULL (N > 0)
+        return [self._addr(f"tokenizer-{i}") for i in range(self.num_tokenizer)]
 
     @property
     def detokenizer_addr(self) -> str:  # the detokenizer (or the single tokenizer worker) PULL
@@ -167,9 +180,10 @@ class ServerArgs(SchedulerConfig):
         return self._addr("broadcast")
 
     @property
-    def request_addr(self) -> str:
-        """Where the API server sends requests: the tokenizers, or the one worker that does both."""
-        return self.tokenizer_addr if self.num_tokenizer > 0 else self.detokenizer_addr
+    def request_addrs(self) -> list[str]:
+        """Where an API server sends requests: every tokenizer (ZMQ spreads them in turn), or the one worker
+        that does both."""
+        return self.tokenizer_addrs if self.num_tokenizer > 0 else [self.detokenizer_addr]
 
 
 def build_parser() -> argparse.ArgumentParser:

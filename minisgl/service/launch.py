@@ -142,6 +142,24 @@ def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> N
         raise
 
 
+def _run_api_server(
+    args: ServerArgs, index: int, sock: socket.socket, max_seq_len: int, failed: Any, parent_pid: int
+) -> None:
+    """API server `index` (1..K-1) of --api-server-count K: the same app on the launcher's listening socket
+    (the kernel hands each new connection to one of the K processes), for its own uids."""
+    _child_init(parent_pid)
+    from .openai import create_app
+
+    app = create_app(args, max_seq_len, health=lambda: not failed.is_set(), index=index)
+    try:
+        # uvicorn handles SIGTERM (a graceful stop, as in the launcher) and SIGINT (at once) while it runs,
+        # then raises them again: SIGINT is ignored here, SIGTERM unwinds
+        _http_server(args, app).run(sockets=[sock])
+    except SystemExit:
+        pass
+    _exit_now(0)
+
+
 def _exit_now(code: Any) -> NoReturn:
     """End a stopped worker without the interpreter's teardown, whose last garbage collection walks every
     object torch and transformers made: seconds on a busy machine, past the launcher's stop timeout. The
@@ -166,7 +184,7 @@ def _tokenizer_workers(a: ServerArgs) -> list[dict[str, Any]]:
         return dict(common, role=role, worker_name=name, **addrs)
 
     # the worker that detokenizes binds the detokenizer address and answers the API server
-    replies = {"recv_addr": a.detokenizer_addr, "recv_create": True, "frontend_addr": a.frontend_addr}
+    replies = {"recv_addr": a.detokenizer_addr, "recv_create": True, "frontend_addrs": a.frontend_addrs}
     replies["stream_interval"] = a.stream_interval
     if a.num_tokenizer == 0:
         return [worker("both", "tokenizer", **replies)]
@@ -174,11 +192,11 @@ def _tokenizer_workers(a: ServerArgs) -> list[dict[str, Any]]:
         worker(
             "tokenizer",
             f"tokenizer-{i}",
-            recv_addr=a.tokenizer_addr,
-            recv_create=False,
+            recv_addr=addr,
+            recv_create=True,  # each binds its own; the API servers connect to every one
             detokenizer_addr=a.detokenizer_addr,
         )
-        for i in range(a.num_tokenizer)
+        for i, addr in enumerate(a.tokenizer_addrs)
     ]
     return [worker("detokenizer", "detokenizer", **replies), *tokenizers]
 
@@ -191,7 +209,10 @@ class ServiceProcesses:
         self.ctx = mp.get_context("spawn")
         self.ack_queue = self.ctx.Queue()
         self.procs: list[Any] = []
+        self.api_procs: list[Any] = []  # API servers 1..K-1 (also in procs)
         self.stopping = False
+        self.draining = False  # a graceful stop is under way (the API servers end their requests)
+        self.failed = self.ctx.Event()  # a worker died: the other API servers' /health says so
         self.failure: str | None = None
 
     def start(self) -> None:
@@ -224,6 +245,34 @@ class ServiceProcesses:
         logger.info(
             f"Loading {self.args.model_path}: the workers import torch, then the scheduler builds the model"
         )
+
+    def start_api_servers(self, sock: socket.socket, max_seq_len: int) -> None:
+        """API servers 1..K-1 of --api-server-count K, on the launcher's listening socket (the launcher's
+        own uvicorn is server 0)."""
+        a, pid = self.args, os.getpid()
+        for i in range(1, a.api_server_count):
+            p = self.ctx.Process(
+                target=_run_api_server,
+                args=(a, i, sock, max_seq_len, self.failed, pid),
+                name=f"minisgl-api-{i}",
+            )
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in start()
+            try:
+                p.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            self.api_procs.append(p)
+            self.procs.append(p)
+        names = ", ".join(f"{p.name} (pid {p.pid})" for p in self.api_procs)
+        logger.info(f"Started {len(self.api_procs)} more API server processes on the same port: {names}")
+
+    def begin_drain(self) -> None:
+        """A graceful stop began in the launcher's API server: the others begin theirs too (SIGTERM), and
+        an API server that ends is no longer a failure."""
+        self.draining = True
+        for p in self.api_procs:
+            if p.is_alive():
+                p.terminate()
 
     def _errors(self) -> list[str]:
         out = []
@@ -268,10 +317,11 @@ class ServiceProcesses:
         """Call `on_death(message)` (from a thread) if a worker dies while the service runs."""
 
         def loop() -> None:
-            while not self.stopping:
+            while not (self.stopping or self.draining):
                 problem = self.dead()
-                if problem and not self.stopping:
+                if problem and not (self.stopping or self.draining):
                     self.failure = problem
+                    self.failed.set()
                     on_death(problem)
                     return
                 time.sleep(0.5)
@@ -282,6 +332,7 @@ class ServiceProcesses:
         """SIGTERM every worker, SIGKILL what is left after `timeout` seconds (a worker's interpreter takes
         seconds to tear torch down on a busy machine; a killed one leaves its semaphores to be reported)."""
         self.stopping = True
+        self._stop_api_servers()
         running = [p for p in self.procs if p.is_alive()]
         if running:
             logger.info(f"Stopping {len(running)} worker processes")
@@ -297,6 +348,17 @@ class ServiceProcesses:
                 p.join(1.0)
         self.ack_queue.close()
         self.ack_queue.join_thread()
+
+    def _stop_api_servers(self) -> None:
+        """Before the workers they talk to: after a graceful stop the other API servers are ending their
+        requests (they began with the launcher's); otherwise they stop at once (SIGINT)."""
+        if not self.draining:
+            for p in self.api_procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGINT)
+        deadline = time.monotonic() + 10.0
+        for p in self.api_procs:
+            p.join(max(0.0, deadline - time.monotonic()))
 
 
 class StopRequested(BaseException):
@@ -374,16 +436,17 @@ def check_model(model_dir: str, tp_size: int = 1, ep_size: int = 1) -> None:
         raise StartupError(f"{model_dir}: {e}") from None
 
 
-def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
-    import uvicorn  # imported while the workers load
+def _http_server(args: ServerArgs, app: Any, on_drain: Callable[[], None] = lambda: None) -> Any:
+    """uvicorn's server for `app` whose first SIGTERM first lets the running requests end
+    (`app.state.stop_gracefully`, openai/draining.py; `on_drain` is told when that begins); a second one,
+    or Ctrl-C, stops at once."""
+    import uvicorn
+
+    from .http_protocol import HeaderDeadlineProtocol
 
     class GracefulServer(uvicorn.Server):
-        """uvicorn's server whose first SIGTERM first lets the running requests end (`stop_gracefully`,
-        openai/draining.py); a second one, or Ctrl-C, stops at once."""
-
-        def __init__(self, config: uvicorn.Config, stop_gracefully: Callable[[], Any]) -> None:
+        def __init__(self, config: uvicorn.Config) -> None:
             super().__init__(config)
-            self.stop_gracefully = stop_gracefully
             self.draining = False
 
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -394,22 +457,17 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
             except RuntimeError:
                 return super().handle_exit(sig, frame)
             self.draining = True
+            on_drain()
             self._captured_signals.append(sig)  # raised again once uvicorn has stopped
             loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
         async def _drain(self) -> None:
             try:
-                await self.stop_gracefully()
+                await app.state.stop_gracefully()
             finally:
                 self.should_exit = True
 
-    from .http_protocol import HeaderDeadlineProtocol
-    from .openai import create_app
-
-    ready = service.wait_ready()
-    max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))
-    app = create_app(args, max_seq_len, health=service.all_alive)
-    server = GracefulServer(
+    return GracefulServer(
         uvicorn.Config(
             app,
             host=args.host,
@@ -420,17 +478,31 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
             timeout_keep_alive=5,  # an idle keep-alive connection is closed (uvicorn's default, stated)
             # ... and one that never finishes its headers too
             http=HeaderDeadlineProtocol.with_timeout(args.request_timeout),
-        ),
-        app.state.stop_gracefully,
+        )
     )
+
+
+def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket) -> int:
+    import uvicorn  # noqa: F401 - imported while the workers load
+
+    from .openai import create_app
+
+    ready = service.wait_ready()
+    max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))
+    if args.api_server_count > 1:
+        service.start_api_servers(sock, max_seq_len)
+    app = create_app(args, max_seq_len, health=service.all_alive)
+    server = _http_server(args, app, on_drain=service.begin_drain)
 
     def on_death(problem: str) -> None:
         logger.error(f"{problem}; shutting the service down")
         server.should_exit = True
 
     service.watch(on_death)
+    servers = f" ({args.api_server_count} API server processes)" if args.api_server_count > 1 else ""
     logger.info(
         f"Serving {args.served_model_name} (context {max_seq_len}) on http://{args.host}:{args.port}/v1"
+        + servers
     )
     # a SIGTERM drains the requests first (GracefulServer); then uvicorn shuts down and raises the signal
     # again: it lands in `launch` as KeyboardInterrupt / StopRequested
@@ -490,6 +562,9 @@ def launch(args: ServerArgs) -> int:
         logger.info("Stopped before the service started")
         return 0
     args = replace(args, ipc_dir=tempfile.mkdtemp(prefix="minisgl-"))
+    if args.api_server_count > 1:  # each API server counts in files there; /metrics sums them
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(args.ipc_dir, "metrics")
+        os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     if args.dist_init_addr:
         args = replace(args, dist_init_method=f"tcp://{args.dist_init_addr}")
     elif args.tp_size > 1:

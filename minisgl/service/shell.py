@@ -29,9 +29,7 @@ class ChatSession:
     """The conversation and its transport: one request per turn, replies streamed to `write`."""
 
     def __init__(self, args: ServerArgs, write: Callable[[str], None]) -> None:
-        self.send: ZmqPushQueue[Any] = ZmqPushQueue(
-            args.request_addr, create=args.num_tokenizer > 0, encoder=dumps
-        )
+        self.send: ZmqPushQueue[Any] = ZmqPushQueue(args.request_addrs, create=False, encoder=dumps)
         self.recv: ZmqPullQueue[Any] = ZmqPullQueue(args.frontend_addr, create=True, decoder=loads)
         self.write = write
         self.history: list[dict[str, str]] = []

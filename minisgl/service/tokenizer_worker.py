@@ -166,7 +166,7 @@ class TokenizerWorker:
         recv_addr: str,
         recv_create: bool,
         backend_addr: str,
-        frontend_addr: str | None,
+        frontend_addrs: list[str] | None,
         detokenizer_addr: str | None,
         vocab_size: int = INT32_MAX,
         stream_interval: int = 1,
@@ -177,13 +177,13 @@ class TokenizerWorker:
         self.detokenize_mgr = DetokenizeManager(tokenizer, stream_interval)
         self.recv: ZmqPullQueue[Any] = ZmqPullQueue(recv_addr, create=recv_create, decoder=loads)
         self.send_backend: ZmqPushQueue[Any] = ZmqPushQueue(backend_addr, create=False, encoder=dumps)
-        self.send_frontend: ZmqPushQueue[Any] | None = None
+        self.send_frontends: list[ZmqPushQueue[Any]] = []  # one per API server
         self.tokenizer: PromptTokenizer | None = None  # "tokenizer": prompts are tokenized inline
         self.thread: TokenizeThread | None = None  # "both": by a thread, between the replies
         self.pending: deque[TokenizeMsg] = deque()  # "tokenizer": prompts received, not yet tokenized
         if role in ("both", "detokenizer"):
-            assert frontend_addr is not None
-            self.send_frontend = ZmqPushQueue(frontend_addr, create=False, encoder=dumps)
+            assert frontend_addrs
+            self.send_frontends = [ZmqPushQueue(a, create=False, encoder=dumps) for a in frontend_addrs]
         if role == "tokenizer":
             assert detokenizer_addr is not None
             self.tokenizer = PromptTokenizer(
@@ -219,8 +219,10 @@ class TokenizerWorker:
                 for reply in self._failed(msg, e):
                     out.add(reply)
         if len(out):
-            assert self.send_frontend is not None
-            self.send_frontend.put(out)
+            assert self.send_frontends
+            for send, part in zip(self.send_frontends, out.split(len(self.send_frontends))):
+                if len(part):
+                    send.put(part)
 
     def _handle_one(self, msg: Any, out: ReplyBatch) -> None:
         if isinstance(msg, TokenizeMsg):
@@ -241,8 +243,9 @@ class TokenizerWorker:
             out.extend(replies)
             self._abort_stopped(stopped)
         elif isinstance(msg, StatsMsg):
-            assert self.send_frontend is not None
-            self.send_frontend.put(msg)
+            assert self.send_frontends
+            for send in self.send_frontends:  # every API server reports them
+                send.put(msg)
         else:
             raise TypeError(f"the {self.role} worker cannot handle {type(msg).__name__}")
 
@@ -257,7 +260,7 @@ class TokenizerWorker:
             self.detokenize_mgr.drop(uid)
             self.send_backend.put(AbortMsg(uid))
             replies.append(UserReply(uid, finished=True, finish_reason=FinishReason.ERROR, error=text))
-        return replies if self.send_frontend is not None else []
+        return replies if self.send_frontends else []
 
     def _abort_stopped(self, uids: list[int]) -> None:
         for uid in uids:  # a stop string ended these: the scheduler stops generating for them
@@ -269,9 +272,8 @@ class TokenizerWorker:
             self.thread.join(1.0)
         if self.tokenizer is not None:
             self.tokenizer.stop()
-        for q in (self.recv, self.send_backend, self.send_frontend):
-            if q is not None:
-                q.stop()
+        for q in (self.recv, self.send_backend, *self.send_frontends):
+            q.stop()
 
 
 def tokenize_worker(
@@ -282,7 +284,7 @@ def tokenize_worker(
     recv_addr: str,
     recv_create: bool,
     backend_addr: str,
-    frontend_addr: str | None = None,
+    frontend_addrs: list[str] | None = None,
     detokenizer_addr: str | None = None,
     stream_interval: int = 1,
     ack_queue: Any = None,
@@ -299,7 +301,7 @@ def tokenize_worker(
         recv_addr,
         recv_create,
         backend_addr,
-        frontend_addr,
+        frontend_addrs,
         detokenizer_addr,
         vocab,
         stream_interval,

@@ -19,7 +19,7 @@ Encoder = Callable[[Any], bytes]
 Decoder = Callable[[bytes], Any]
 
 
-def _open(ctx: zmq.Context, kind: int, addr: str, create: bool) -> zmq.Socket:
+def _open(ctx: zmq.Context, kind: int, addr: str | list[str], create: bool) -> zmq.Socket:
     sock = ctx.socket(kind)
     # unbounded queues: a slow peer must never make the scheduler block (or drop) a message
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -28,9 +28,11 @@ def _open(ctx: zmq.Context, kind: int, addr: str, create: bool) -> zmq.Socket:
     # context's teardown blocks on lingering sockets: workers stopped by SIGTERM hung in it until killed)
     sock.setsockopt(zmq.LINGER, 0)
     if create:
+        assert isinstance(addr, str), "a socket binds one address"
         sock.bind(addr)
-    else:
-        sock.connect(addr)
+    else:  # a PUSH connected to several PULLs sends to each in turn
+        for a in [addr] if isinstance(addr, str) else addr:
+            sock.connect(a)
     return sock
 
 
@@ -50,7 +52,7 @@ def _wait(sock: zmq.Socket, timeout: float | None) -> bool:
 class ZmqPushQueue(Generic[T]):
     """Send side of a PUSH/PULL pipe."""
 
-    def __init__(self, addr: str, create: bool, encoder: Encoder) -> None:
+    def __init__(self, addr: str | list[str], create: bool, encoder: Encoder) -> None:
         self.socket = _open(zmq.Context.instance(), zmq.PUSH, addr, create)
         self.encoder = encoder
 
@@ -91,7 +93,7 @@ class ZmqPullQueue(Generic[T]):
 class ZmqAsyncPushQueue(Generic[T]):
     """PUSH for an asyncio program (the API server)."""
 
-    def __init__(self, addr: str, create: bool, encoder: Encoder) -> None:
+    def __init__(self, addr: str | list[str], create: bool, encoder: Encoder) -> None:
         self.socket = _open(zmq.asyncio.Context.instance(), zmq.PUSH, addr, create)
         self.encoder = encoder
 

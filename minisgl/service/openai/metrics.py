@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 
 class Metrics:
@@ -74,6 +75,11 @@ class Metrics:
         self.page_size = page_size
         self.registry = CollectorRegistry()
         r = self.registry
+        # with several API servers (PROMETHEUS_MULTIPROC_DIR, set by the launcher before any import of
+        # prometheus_client) each writes its values to files there: counters and histograms are summed,
+        # and a gauge, which every server sets from the same scheduler stats, reports the latest value
+        self.shared = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        latest = {"multiprocess_mode": "mostrecent"}
         self.requests = Counter("minisgl_requests", "HTTP generation requests", ["endpoint"], registry=r)
         self.errors = Counter(
             "minisgl_request_errors", "Requests refused with HTTP 400", ["code"], registry=r
@@ -101,12 +107,19 @@ class Metrics:
             buckets=self.LATENCY_BUCKETS,
             registry=r,
         )
-        self.gauges = {k: Gauge(f"minisgl_{name}", doc, registry=r) for k, (name, doc) in self.STATS.items()}
-        self.kv_usage = Gauge("minisgl_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
+        self.gauges = {
+            k: Gauge(f"minisgl_{name}", doc, registry=r, **latest) for k, (name, doc) in self.STATS.items()
+        }
+        self.kv_usage = Gauge("minisgl_kv_usage_ratio", "Fraction of KV pages in use", registry=r, **latest)
         self.hit_rate = Gauge(
-            "minisgl_prefix_cache_hit_rate", "Fraction of prompt tokens found in the cache", registry=r
+            "minisgl_prefix_cache_hit_rate",
+            "Fraction of prompt tokens found in the cache",
+            registry=r,
+            **latest,
         )
-        self.gateway = {name: Gauge(name, doc, registry=r) for name, (_, doc) in self.GATEWAY_NAMES.items()}
+        self.gateway = {
+            name: Gauge(name, doc, registry=r, **latest) for name, (_, doc) in self.GATEWAY_NAMES.items()
+        }
 
     def update(self, stats: dict[str, float]) -> None:
         for key, gauge in self.gauges.items():
@@ -138,4 +151,8 @@ class Metrics:
         return out
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.shared:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every API server's files, summed
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)

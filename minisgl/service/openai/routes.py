@@ -111,8 +111,11 @@ def _check(reply: UserReply, names: FieldNames) -> None:
 class OpenAIServer:
     """The handlers; the FrontendManager is made in the app's lifespan (it needs the event loop)."""
 
-    def __init__(self, args: ServerArgs, max_seq_len: int, health: Callable[[], bool]) -> None:
+    def __init__(
+        self, args: ServerArgs, max_seq_len: int, health: Callable[[], bool], index: int = 0
+    ) -> None:
         self.args, self.max_seq_len, self.health = args, max_seq_len, health
+        self.index = index  # which of the --api-server-count processes this is
         self.created = int(time.time())
         self.limits = Limits.of(args, max_seq_len)
         self.tokenizer = ServerTokenizer(args.model_path, self.limits, args.allow_special_tokens_in_content)
@@ -160,7 +163,7 @@ class OpenAIServer:
 
     def start(self) -> None:
         """Connect to the tokenizer side and start routing replies (needs the running event loop)."""
-        self._frontend = FrontendManager(self.args)
+        self._frontend = FrontendManager(self.args, self.index)
         self._frontend.start()
 
     def stop(self) -> None:
@@ -427,9 +430,12 @@ class OpenAIServer:
         return {"object": "list", "data": [self.model_card(n) for n in self.args.model_names]}
 
 
-def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True) -> FastAPI:
-    """The FastAPI application. `health` tells /health whether every worker process is alive."""
-    server = OpenAIServer(args, max_seq_len, health)
+def create_app(
+    args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool] = lambda: True, index: int = 0
+) -> FastAPI:
+    """The FastAPI application of API server `index`. `health` tells /health whether every worker process
+    is alive."""
+    server = OpenAIServer(args, max_seq_len, health, index)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -44,14 +44,16 @@ DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is s
 class FrontendManager:
     """The API server's side of ZMQ: sends TokenizeMsg/AbortMsg, routes each UserReply to its request."""
 
-    def __init__(self, args: ServerArgs) -> None:
-        # with N tokenizers this socket binds and spreads requests over them; otherwise it connects to the worker
-        self.send: ZmqAsyncPushQueue[Any] = ZmqAsyncPushQueue(
-            args.request_addr, create=args.num_tokenizer > 0, encoder=dumps
+    def __init__(self, args: ServerArgs, index: int = 0) -> None:
+        # connected to every tokenizer (ZMQ sends to each in turn), or to the one worker that does both
+        self.send: ZmqAsyncPushQueue[Any] = ZmqAsyncPushQueue(args.request_addrs, create=False, encoder=dumps)
+        self.recv: ZmqAsyncPullQueue[Any] = ZmqAsyncPullQueue(
+            args.frontend_addrs[index], create=True, decoder=loads
         )
-        self.recv: ZmqAsyncPullQueue[Any] = ZmqAsyncPullQueue(args.frontend_addr, create=True, decoder=loads)
         self.args = args
-        self.uids = itertools.count()
+        # API server `index` of --api-server-count K: its uids are index, index + K, ... (the detokenizer
+        # sends each reply to the server of its uid modulo K)
+        self.uids = itertools.count(index, args.api_server_count)
         self.queues: dict[int, Generation] = {}  # uid -> the request it belongs to
         self.metrics = Metrics(args.page_size)
         self.stats: dict[str, float] = {}
@@ -112,10 +114,13 @@ class FrontendManager:
 
     def check_capacity(self, new: int) -> None:
         """Raise HTTP 429 when `new` more sequences would leave more than --max-waiting-requests waiting
-        beyond the --max-running-req that can run (every uid in flight counts until it finishes)."""
-        waiting = len(self.queues) + new - self.args.max_running_req
-        if waiting > self.args.max_waiting_requests:
-            raise overloaded(waiting, self.args.max_waiting_requests)
+        beyond the --max-running-req that can run (every uid in flight counts until it finishes). With K
+        API servers each admits its K-th share of both (each sees only its own requests)."""
+        k = self.args.api_server_count
+        limit = -(-self.args.max_waiting_requests // k)
+        waiting = len(self.queues) + new - -(-self.args.max_running_req // k)
+        if waiting > limit:
+            raise overloaded(waiting, limit)
 
     def stop(self) -> None:
         if self._listener is not None:

@@ -36,6 +36,8 @@ def server_info(server: OpenAIServer) -> dict[str, Any]:
         "page_size": a.page_size,
         "context_length": server.max_seq_len,
         "max_running_requests": a.max_running_req,
+        "api_server_count": a.api_server_count,
+        "api_server_index": server.index,  # which of them answered
         "max_total_num_tokens": int(stats.get("kv_total_pages", 0)) * a.page_size,
         "version": minisgl.__version__,
         "internal_states": [
