@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 
 from minisgl.core import InvalidRequest, Req, SamplingParams
@@ -56,6 +57,10 @@ COMPILE_PROCESSES = 2  # compile workers: a slow compile leaves the other free f
 MAX_TRANSFER = 512 << 20  # a compiled grammar's serialized form, sent back to the scheduler
 SERIALIZED_RATIO = 16  # at least this many bytes of serialized form per byte of token tables (measured 22)
 COMPILE_NICENESS = 10  # the compile processes' priority below the scheduler's
+# a compile's budget is the CPU time its process spends (at its low priority a busy machine gives it a
+# small share of a core: a wall-clock budget refused valid constraints there); this many times the budget
+# in wall time ends it whatever its CPU time
+WALL_BUDGETS = 3
 POLL_S = 0.02  # the compile dispatcher's wake-up when nothing arrives
 BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
 _WHAT = {
@@ -168,9 +173,10 @@ class GrammarCompiler:
 
     xgrammar cannot interrupt a compilation, and one can take minutes (a 20,000-value enum, thousands of
     optional properties): in a thread it would hold its core and its place in the queue long after its
-    request was refused or gone. A worker process is killed instead, when its compile passes
-    `timeout` seconds or every request waiting for it was aborted, and a fresh one takes its place; so
-    one request delays another's compile by at most its own budget. A compiled grammar comes back
+    request was refused or gone. A worker process is killed instead, when its compile passes `timeout`
+    seconds of CPU time (or WALL_BUDGETS times that in wall time) or every request waiting for it was
+    aborted, and a fresh one takes its place; so one request delays another's compile by at most its own
+    budget. A compiled grammar comes back
     serialized (xgrammar's JSON form). The vocabulary is the logits' width (ids beyond the tokenizer's
     are never allowed); `stop_ids` are the tokens that may end a complete output. Errors a client can fix
     (a bad or impossible constraint, a compile over its budget of time or bytes) are the future's
@@ -321,11 +327,11 @@ class GrammarCompiler:
             if not job.waiters:  # every request waiting for it was aborted
                 w.restart()
                 self._finish(job, error=None)
-            elif now - w.started > self.timeout:
+            elif w.cpu_seconds() > self.timeout or now - w.started > WALL_BUDGETS * self.timeout:
                 w.restart()
                 kind = job.key[0]
                 message = (
-                    f"'{kind}' did not compile within {self.timeout:g} s (--grammar-compile-timeout); "
+                    f"'{kind}' did not compile within {self.timeout:g} s of CPU time (--grammar-compile-timeout); "
                     "simplify it (fewer alternatives, properties or tools)"
                 )
                 self._finish(job, error=self._refuse(job.key, message))
@@ -381,7 +387,8 @@ class _CompileWorker:
     def __init__(self, info_json: str) -> None:
         self.info_json = info_json
         self.job: _Job | None = None
-        self.started = 0.0
+        self.started = 0.0  # when the job started: wall clock, and the process's CPU time
+        self.cpu_started = 0.0
         self._spawn()
 
     def _spawn(self) -> None:
@@ -398,10 +405,22 @@ class _CompileWorker:
             os.setpriority(os.PRIO_PROCESS, self.proc.pid, COMPILE_NICENESS)
         except OSError:
             pass
+        self.ps = psutil.Process(self.proc.pid)
         child.close()
 
+    def _cpu(self) -> float:
+        try:
+            t = self.ps.cpu_times()
+            return t.user + t.system
+        except psutil.Error:  # gone: its pipe says so
+            return 0.0
+
+    def cpu_seconds(self) -> float:
+        """The CPU time the process has spent on its current job."""
+        return self._cpu() - self.cpu_started
+
     def start(self, job: _Job, max_bytes: int) -> None:
-        self.job, self.started = job, time.monotonic()
+        self.job, self.started, self.cpu_started = job, time.monotonic(), self._cpu()
         self.conn.send((job.key[0], job.key[1], max_bytes))
 
     def restart(self) -> None:

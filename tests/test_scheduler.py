@@ -140,15 +140,17 @@ def test_chunked_prefill_equals_unchunked_and_hf(tiny_model_dirs, hf_reference):
 def test_a_long_prompt_arriving_while_others_decode_is_cut_into_small_cpu_chunks(
     tiny_model_dirs, hf_reference
 ):
-    """On a CPU, a prompt that arrives while requests decode is computed at most CPU_BUSY_PREFILL tokens
-    a step (the default budget is far larger), each chunk followed by a decode step; alone, a prompt
-    still takes the whole budget. Both requests' tokens equal HF."""
-    from minisgl.scheduler.scheduler import CPU_BUSY_PREFILL
+    """On a CPU, a prompt that arrives while requests decode is computed in chunks paced to a fraction of
+    a second each (the default budget is far larger): FIRST_TOKENS first, then what the measured pace
+    allows, each chunk followed by a decode step; alone, a prompt still takes the whole budget. Both
+    requests' tokens equal HF."""
+    from minisgl.scheduler.pacing import FIRST_TOKENS, MAX_TOKENS, MIN_TOKENS
 
-    long_prompt = random_prompt(2 * CPU_BUSY_PREFILL + 100, VOCAB, seed=21)
+    long_prompt = random_prompt(1100, VOCAB, seed=21)
     short = random_prompt(5, VOCAB, seed=22)
     with make_llm(tiny_model_dirs[ARCH], **tiny_llm_kwargs(num_page_override=8192)) as llm:
         sched = llm.scheduler
+        sched.pacer.seconds_per_unit = None  # as a new scheduler (the warm-up measured a pace)
         seen = record_batches(llm)
         sched.add_request(1, short, greedy(60))
         tokens: dict[int, list[int]] = {1: [], 2: []}
@@ -162,7 +164,8 @@ def test_a_long_prompt_arriving_while_others_decode_is_cut_into_small_cpu_chunks
                 tokens[out.uid].append(out.token_id)
         assert_all_kv_free(llm)
     prefills = [sum(lens) for phase, lens in seen[first:] if phase == Phase.PREFILL]
-    assert prefills == [CPU_BUSY_PREFILL, CPU_BUSY_PREFILL, 100]  # hand count: 2 full chunks and the rest
+    assert prefills[0] == FIRST_TOKENS and sum(prefills) == len(long_prompt)
+    assert all(MIN_TOKENS <= n <= MAX_TOKENS for n in prefills[:-1]) and len(prefills) > 1
     phases = [phase for phase, _ in seen[first:]]
     last = len(phases) - 1 - phases[::-1].index(Phase.PREFILL)
     assert all(not (a == b == Phase.PREFILL) for a, b in itertools.pairwise(phases[: last + 1]))
@@ -427,3 +430,48 @@ def test_random_arrivals_and_aborts_never_leak_a_page(
         assert len(completed) + sum(why == FinishReason.ABORT for why in d.finish.values()) == uid
         for u in completed:
             assert_tokens_equal_hf(d.tokens[u], hf_reference(ARCH), prompts[u], what=f"request {u}")
+
+
+def test_the_prefill_pacer_sizes_a_chunk_to_its_target_time_at_the_measured_pace():
+    """Hand computations: with the weights worth 1,000 context tokens of attention, a 100-token chunk
+    after 900 cached tokens is 100 * (1 + (900 + 50) / 1000) = 195 units of work; at the pace that
+    measurement gives, the chunk that fits the target after a 2,000-token prefix solves
+    n * (1 + (2000 + n / 2) / 1000) = target / pace."""
+    from minisgl.scheduler.pacing import FIRST_TOKENS, MAX_TOKENS, MIN_TOKENS, PrefillPacer
+
+    pacer = PrefillPacer(attn_ratio=1000.0, target=0.5)
+    assert pacer.budget(0) == FIRST_TOKENS  # nothing measured yet
+    assert pacer.work(100, 900) == pytest.approx(195.0)
+    pacer.measured(0.39, [(100, 900)])  # 0.002 s a unit
+    units = 0.5 / 0.002
+    n = pacer.budget(2000)
+    assert n * (1 + (2000 + n / 2) / 1000) == pytest.approx(units, rel=0.02)
+    assert pacer.budget(0) > n  # the same time holds more tokens without a prefix to attend to
+    pacer.measured(0.0, [(100, 0)])  # a fast step: the pace moves half way
+    assert pacer.seconds_per_unit == pytest.approx(0.001)
+    for _ in range(40):  # the pace follows a machine that became much faster...
+        pacer.measured(1e-9, [(1, 0)])
+    assert pacer.budget(0) == MAX_TOKENS
+    pacer.measured(100.0, [(1, 0)])  # ... or much slower
+    assert pacer.budget(10_000) == MIN_TOKENS
+
+
+def test_the_attention_ratio_is_the_weights_work_over_one_context_tokens_attention():
+    """SmolLM2-135M's shapes, by hand: 30 layers of 576 hidden, 9 heads of 64 (q 576), 3 KV heads
+    (kv 192), MLP 1,536: weights 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536) multiply-adds a
+    token, attention 30 * 2 * 576 a context token."""
+    from types import SimpleNamespace
+
+    from minisgl.scheduler.pacing import attention_ratio
+
+    m = SimpleNamespace(
+        num_heads=9,
+        head_dim=64,
+        num_kv_heads=3,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        moe=None,
+    )
+    weights = 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536)
+    assert attention_ratio(m) == pytest.approx(weights / (30 * 2 * 576))

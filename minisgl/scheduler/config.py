@@ -31,8 +31,8 @@ class SchedulerConfig(EngineConfig):
     )
     grammar_compile_timeout: float = option(
         DEFAULT_COMPILE_TIMEOUT,
-        help="seconds one request's constraint (JSON schema, regex, grammar, forced tool call) may take to "
-        "compile; longer is a 400 naming its field",
+        help="seconds of CPU time one request's constraint (JSON schema, regex, grammar, forced tool call) "
+        "may take to compile, and 3x that in wall time; longer is a 400 naming its field",
         min=0.1,
     )
     grammar_cache_mb: int = option(

@@ -12,6 +12,7 @@ matchers), then the masks are filled and step N samples. A step with no constrai
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +30,11 @@ from .cache import CacheManager
 from .config import SchedulerConfig
 from .decode import DecodeManager
 from .grammar import GrammarManager
+from .pacing import PrefillPacer, attention_ratio
 from .prefill import PrefillManager, PrefillPlan
 from .table import TableManager
 
 logger = init_logger(__name__)
-
-CPU_BUSY_PREFILL = 512  # prompt tokens of a CPU prefill step while other requests decode (~1-2 s there)
 
 
 @dataclass
@@ -92,9 +92,12 @@ class Scheduler:
         self._staging = HostRing(self.device)  # pinned buffers for the per-step host -> device copy
         self._pending_outputs: list[StepOutput] = []
         self._chunk_left = False  # the last prefill step left a prompt's chunk for later
-        # while requests decode, a CPU prefill step takes at most this many prompt tokens: a chunk then
-        # delays the running streams by about a second, not by a long prompt's whole prefill
-        self.busy_prefill_budget = CPU_BUSY_PREFILL if self.device.type == "cpu" else None
+        # while requests decode, a CPU prefill step takes the prompt tokens that fit in a fraction of a
+        # second at the measured pace: a chunk then delays the running streams that long, not a long
+        # prompt's whole prefill
+        cpu = self.device.type == "cpu"
+        self.pacer = PrefillPacer(attention_ratio(self.engine.model_config)) if cpu else None
+        self._paced = False  # the batch being launched is a prefill step the pacer sized
         self.num_retractions = 0
         self.last_batch_size = 0
         self.max_batch_size = 0
@@ -226,8 +229,14 @@ class Scheduler:
         self.last_batch_size = batch.size
         self.max_batch_size = max(self.max_batch_size, batch.size)
         self.stream.wait_stream(current_stream(self.device))
+        paced, self._paced = self._paced, False
+        start = time.perf_counter()
         with use_stream(self.stream):
-            return run(batch)
+            out = run(batch)
+        if paced and self.pacer is not None:  # a CPU step runs as it is called: its time is the step's
+            chunks = list(zip(batch.extend_lens, batch.prefix_lens))
+            self.pacer.measured(time.perf_counter() - start, chunks)
+        return out
 
     def _launch_sample(self, batch: Batch, fwd: Logits) -> ForwardOutput:
         """Sample a batch with constrained rows, the matchers up to date: their masks, then the engine."""
@@ -261,8 +270,12 @@ class Scheduler:
             batch = self._prepare_decode()
             if batch is not None:
                 return batch
-        busy = self.busy_prefill_budget if self.decode.running else None
+        busy = None
+        if self.pacer is not None and self.decode.running:
+            chunked = self.prefill.chunked
+            busy = self.pacer.budget(chunked.cached_len if chunked is not None else 0)
         plan = self.prefill.schedule(self.decode.running, busy)
+        self._paced = plan is not None and busy is not None  # its time measures the pace
         if plan is not None:
             self._chunk_left = self.prefill.chunked is not None
             return self._prepare_prefill(plan)

@@ -149,7 +149,9 @@ def _run_api_server(
     (the kernel hands each new connection to one of the K processes), for its own uids."""
     _child_init(parent_pid)
     from .openai import create_app
+    from .openai.tools import preload
 
+    preload()
     app = create_app(args, max_seq_len, health=lambda: not failed.is_set(), index=index)
     try:
         # uvicorn handles SIGTERM (a graceful stop, as in the launcher) and SIGINT (at once) while it runs,
@@ -486,6 +488,9 @@ def _serve_http(args: ServerArgs, service: ServiceProcesses, sock: socket.socket
     import uvicorn  # noqa: F401 - imported while the workers load
 
     from .openai import create_app
+    from .openai.tools import preload
+
+    preload()
 
     ready = service.wait_ready()
     max_seq_len = int(ready.get("scheduler-0", {}).get("max_seq_len", 0))

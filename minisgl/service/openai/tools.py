@@ -103,6 +103,13 @@ class ToolRequest:
         return self.choice != "none"
 
 
+def preload() -> None:
+    """Import what checking tools and forcing a call need (xgrammar's structural tags take ~1 s): at start,
+    not on the event loop when the first such request arrives, which stalled every stream meanwhile."""
+    import jsonschema  # noqa: F401
+    import xgrammar.structural_tag  # noqa: F401
+
+
 def _bad(message: str, param: str) -> APIError:
     return APIError(message, param, "invalid_value")
 
