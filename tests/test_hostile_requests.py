@@ -175,6 +175,31 @@ def warm_up(service: Service) -> None:
     assert r.status_code == 200, r.text
 
 
+def test_a_forced_call_of_one_of_many_tools_answers_while_streams_flow(service):
+    """32 tools and tool_choice "required": a long prompt (its chunks take turns with the stream's decode
+    steps), a structural tag of 32 alternatives compiled off the event loop, and a call of one of them."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"type": ["string", "integer", "null"]}},
+                },
+            },
+        }
+        for i in range(32)
+    ]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": tools}
+    with still_flowing(service):
+        r = post(service, "/v1/chat/completions", dict(body, tool_choice="required"))
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["usage"]["prompt_tokens"] > 1000
+    assert reply["choices"][0]["message"]["content"] in (None, ""), reply  # a call's text, cut by max_tokens
+
+
 def test_a_compile_over_its_budget_is_a_400_and_other_constrained_requests_go_on_meanwhile(service):
     slow = {"prompt": "hi", "max_tokens": 2, "json_schema": json.dumps(SLOW_SCHEMA)}
     quick = {"prompt": "hi", "max_tokens": 2, "regex": "[a-z]{1,3}"}

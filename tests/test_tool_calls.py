@@ -397,3 +397,14 @@ def test_the_full_reply_holds_the_calls_and_the_text_outside_them():
     assert r._final(c)["finish_reason"] == "length"
     plain = ChoiceState(0, 1, 0, text="just text", finish_reason="stop")
     assert r._final(plain)["message"] == {"role": "assistant", "content": "just text"}
+
+
+@pytest.mark.parametrize("cut", ["<", "<tool_", "<tool_call", "<tool_call>\n", '<tool_call>\n{"name": "ad'])
+def test_a_forced_call_cut_by_max_tokens_before_its_name_leaves_no_markup_in_the_content(cut):
+    """With tool_choice forcing a call the output is calls only: a start marker cut by max_tokens is
+    markup (no content, no call); with "auto" the same text may be the model's own, and stays."""
+    assert parse_tool_calls(cut, HERMES, forced=True) == (None, [])
+    assert parse_tool_calls(cut, HERMES) == (cut, [])
+    events = ChatOutput(tools=HERMES, forced=True).parser()
+    streamed = events.feed(cut) + events.finish()
+    assert not streamed, streamed

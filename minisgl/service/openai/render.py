@@ -171,6 +171,7 @@ class ChatOutput:
     reasoning: ReasoningFormat | None = None
     state: str = CLOSED
     tools: ToolFormat | None = None
+    forced: bool = False  # tool_choice forces a call (the output holds calls only)
 
     @property
     def splits(self) -> bool:
@@ -179,7 +180,7 @@ class ChatOutput:
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(
             ReasoningSplitter(self.reasoning, self.state) if self.splits and self.reasoning else None,
-            ToolCallParser(self.tools) if self.tools is not None else None,
+            ToolCallParser(self.tools, self.forced) if self.tools is not None else None,
         )
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ParsedCall]]:
@@ -187,7 +188,7 @@ class ChatOutput:
         reasoning, content = split(text, self.reasoning, self.state) if self.reasoning else (None, text)
         calls: list[ParsedCall] = []
         if self.tools is not None:
-            content, calls = parse_tool_calls(content, self.tools)
+            content, calls = parse_tool_calls(content, self.tools, self.forced)
         return reasoning, content, calls
 
 

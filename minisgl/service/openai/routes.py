@@ -308,7 +308,8 @@ class OpenAIServer:
         self.frontend.metrics.requests.labels("chat").inc()
         msgs = chat_fan_out(messages, s, self.limits, template_tools, kwargs)
         tools = support.fmt if tr is not None and tr.parses else None
-        return msgs, names, ChatOutput(fmt, state, tools)
+        forced = tr is not None and tr.choice in ("required", "forced")
+        return msgs, names, ChatOutput(fmt, state, tools, forced)
 
     async def responses(self, request: Request, data: dict[str, Any]) -> Response:
         """POST /v1/responses: run as the chat completion it translates to (responses.py)."""

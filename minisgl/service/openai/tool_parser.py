@@ -114,6 +114,7 @@ class ToolCallParser:
     """Incremental: `feed` each new piece of text, `finish` at the end; both return the events found."""
 
     fmt: ToolFormat
+    forced: bool = False  # tool_choice forced a call: the output is calls only, and a cut marker is markup
     buf: str = ""  # received, not yet decided
     mode: str = ""  # text | lead | plain | open | obj | close | after
     raw: str = ""  # the current call as written so far
@@ -143,10 +144,11 @@ class ToolCallParser:
         if self.mode == "obj":
             if self.args_from is not None:
                 self.out.append(CallEnd(self.count - 1, False, self.raw + self.buf))
-            else:
+            elif not self.forced:  # forced: a call cut before its name, markup
                 self._text(self.raw + self.buf)
         elif self.mode in ("lead", "open"):
-            self._text(self.raw + self.buf)
+            if not self.forced:  # forced: a call cut (max_tokens) before its object, markup
+                self._text(self.raw + self.buf)
         elif self.mode == "close":
             self._end_call()
             rest = self.buf.strip()
@@ -154,11 +156,11 @@ class ToolCallParser:
                 self._text(rest)
         elif (
             self.mode == "text"
-            and self.count
+            and (self.count or self.forced)
             and self.buf.strip()
             and self.fmt.start.startswith(self.buf.strip())
         ):
-            pass  # the next call's start marker, cut (max_tokens): markup, not text
+            pass  # a call's start marker, cut (max_tokens): markup, not text
         elif self.mode != "after":
             self._text(self.buf)
         self.buf, self.raw = "", ""
@@ -315,10 +317,10 @@ class ParsedCall:
     arguments: str  # JSON text
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(text: str, fmt: ToolFormat, forced: bool = False) -> tuple[str | None, list[ParsedCall]]:
     """The content outside the calls (None when there is none beside them) and the calls that parsed; a
     call that did not parse stays in the content as written."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, forced)
     parts: list[str] = []
     calls: dict[int, ParsedCall] = {}
     for e in parser.feed(text) + parser.finish():
@@ -329,9 +331,9 @@ def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[Parse
         elif isinstance(e, CallArgs):
             calls[e.index].arguments += e.text
         elif not e.ok:
-            parts.append(e.raw)
+            parts.append("" if forced else e.raw)  # forced: the output is calls only; this one was cut
             del calls[e.index]
-    if not calls:
+    if not calls and not forced:
         return text, []
     content = "".join(parts).strip()
     return content or None, list(calls.values())
