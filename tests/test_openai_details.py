@@ -27,8 +27,9 @@ from minisgl.service.args import ServerArgs, parse_args
 from minisgl.service.openai import auth
 from minisgl.service.openai.errors import SERVER_ERROR, FieldNames
 from minisgl.service.openai.render import Renderer
-from minisgl.service.openai.routes import Job, OpenAIServer, create_app
+from minisgl.service.openai.routes import create_app
 from minisgl.service.openai.routing import ChoiceState
+from minisgl.service.openai.server import Job, OpenAIServer
 from minisgl.tokenizer.detokenize import DetokenizeManager, TokenBytes
 from minisgl.utils.hf import load_tokenizer, resolve_model_path
 

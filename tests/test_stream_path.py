@@ -208,7 +208,7 @@ def test_a_stream_interval_sends_the_first_token_alone_then_every_n(server):
 def test_kept_alive_connections_get_tcp_nodelay():
     """The listening socket the launcher binds makes asyncio (which uvicorn serves on) set TCP_NODELAY on
     every accepted connection: without it a reply's body waited for the client's delayed ACK."""
-    from minisgl.service.launch import bind_port
+    from minisgl.service.startup import bind_port
 
     async def main() -> list[int]:
         sock = bind_port("127.0.0.1", 0)

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from minisgl.service.args import ServerArgs
     from minisgl.service.http_protocol import HeaderDeadlineProtocol
-    from minisgl.service.launch import bind_port
     from minisgl.service.openai import create_app
+    from minisgl.service.startup import bind_port
 
     ipc_dir = tempfile.mkdtemp(prefix="minisgl-frontend-")
     sargs = ServerArgs(model_path="synthetic", max_running_req=args.concurrency, ipc_dir=ipc_dir)

@@ -32,7 +32,7 @@ from minisgl.utils import init_logger
 from minisgl.utils.options import flag, given
 
 from .args import ServerArgs, build_parser
-from .launch import StartupError, StopRequested, _on_launcher_sigterm, _prepare
+from .startup import StartupError, StopRequested, on_launcher_sigterm, prepare
 
 logger = init_logger(__name__, "dp")
 
@@ -240,13 +240,13 @@ class DataParallelService:
 def launch_dp(args: ServerArgs, argv: list[str]) -> int:
     """Start the replicas and the router, and block until a signal stops them (exit 0) or the router or
     every replica dies (exit 1); a bad option or model exits 2 before anything starts."""
-    signal.signal(signal.SIGTERM, _on_launcher_sigterm)
+    signal.signal(signal.SIGTERM, on_launcher_sigterm)
     service = DataParallelService(args, argv)
     code = 0
     try:
         if importlib.util.find_spec("sglang_router") is None:  # before any model work
             raise StartupError("--dp needs SGLang's router: pip install sglang-router (or '.[router]')", 1)
-        args, sock = _prepare(args)  # the router's port checked, the model resolved once for every replica
+        args, sock = prepare(args)  # the router's port checked, the model resolved once for every replica
         service.args = args
         assert sock is not None
         service.start_replicas()

@@ -20,7 +20,7 @@ from .zmq_queue import ZmqPullQueue, ZmqPushQueue
 
 if TYPE_CHECKING:
     from .args import ServerArgs
-    from .launch import ServiceProcesses
+    from .processes import ServiceProcesses
 
 MAX_ANSWER_TOKENS = 1024  # per answer; lowered automatically when the context has less room
 

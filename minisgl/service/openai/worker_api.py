@@ -15,7 +15,7 @@ import minisgl
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from .routes import OpenAIServer
+    from .server import OpenAIServer
 
 # the readiness probe's request: one token of any vocabulary, one greedy token out
 HEALTH_GENERATE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
