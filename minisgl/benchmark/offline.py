@@ -39,19 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.benchmark.prompts import BENCH_SCHEMA
+
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
-# --constrained-fraction's schema: a small object of typed fields, as an application would ask for
-BENCH_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "email": {"type": "string"},
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "email", "tags", "active"],
-}
 
 
 def constrain(params: list, fraction: float) -> tuple[list, list[bool]]:
@@ -97,7 +87,7 @@ def shared_prefix_workload(n: int = 64, prefix_len: int = 512, seed: int = 0) ->
 def chat_workload(name: str, model_path: str, n: int, output_len: int) -> Workload:
     """The online benchmark's chat requests (benchmark.online's W4 prompts), tokenized as the service
     does: through the model's chat template."""
-    from minisgl.benchmark.online import w4_prompts
+    from minisgl.benchmark.prompts import w4_prompts
     from minisgl.utils.hf import load_tokenizer
 
     tok = load_tokenizer(model_path)

@@ -32,31 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from minisgl.benchmark.offline import BENCH_SCHEMA
-
-TOPICS = [
-    "a dragon",
-    "the sea",
-    "a lost robot",
-    "a small village",
-    "the moon",
-    "a detective",
-    "a forest",
-    "a time traveller",
-    "a lighthouse keeper",
-    "a chess player",
-    "a mountain",
-    "a city at night",
-    "a music box",
-    "a pirate ship",
-    "a desert",
-    "a secret garden",
-]
-
-
-def w4_prompts(n: int) -> list[str]:
-    """The W4 prompts: topic i % 16, numbered i."""
-    return [f"Write a long story about {TOPICS[i % len(TOPICS)]}, number {i}." for i in range(n)]
+from minisgl.benchmark.prompts import BENCH_SCHEMA, w4_prompts
 
 
 @dataclass
