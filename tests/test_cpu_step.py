@@ -66,3 +66,27 @@ def test_moe_model_keeps_the_layers(tmp_path):
 def test_torch_attention_keeps_the_layers(tiny_model_dirs):
     with make_llm(tiny_model_dirs[ARCH_NAMES[0]], **tiny_llm_kwargs(attn="torch")) as llm:
         assert llm.scheduler.engine.cpu_step is None
+
+
+def test_a_layer_class_that_does_not_declare_the_fused_paths_gets_neither(tiny_model_dirs):
+    """A subclass of the Llama layer (as a model whose math differs would be) inherits no fast path: the
+    C decode step refuses its layers and the Triton layer kernel gets no weights for them; the declared
+    classes get both."""
+    from minisgl.engine.cpu_step import CpuDecodeStep
+    from minisgl.models.llama import CPU_DECODE_STEP, TRITON_LAYER, LlamaDecoderLayer, declares
+    from minisgl.models.qwen3 import Qwen3DecoderLayer
+
+    class OtherMath(LlamaDecoderLayer):  # e.g. another activation in forward()
+        pass
+
+    for cls in (LlamaDecoderLayer, Qwen3DecoderLayer):
+        assert declares(cls.__new__(cls), CPU_DECODE_STEP) and declares(cls.__new__(cls), TRITON_LAYER)
+    with make_llm(tiny_model_dirs[ARCH_NAMES[0]], **tiny_llm_kwargs(attn="cpu")) as llm:
+        engine = llm.scheduler.engine
+        assert engine.cpu_step is not None  # the declared class: the step is on
+        layers = engine.model.model.layers
+        for layer in layers:
+            layer.__class__ = OtherMath
+        args = (engine.model, engine.kv_pool, engine.page_table, engine.attn_backend, engine.dtype)
+        assert CpuDecodeStep.create(*args) is None
+        assert all(layer.layer_weights() is None for layer in layers)

@@ -21,7 +21,7 @@ from minisgl import kernel
 from minisgl.attention.cpu_backend import CpuAttnBackend
 from minisgl.kernel import StoredWeight, stored
 from minisgl.kernel import cpu as cpu_kernels
-from minisgl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from minisgl.models.llama import CPU_DECODE_STEP, LlamaAttention, LlamaMLP, declares
 from minisgl.moe import SparseMoeBlock
 from minisgl.utils import init_logger
 
@@ -95,8 +95,10 @@ def _moe_words(mlp: torch.nn.Module, keep: list) -> list[int]:
 
 def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ...], keep: list) -> list[int]:
     sparse = isinstance(layer.mlp, SparseMoeBlock)
-    if not (sparse or type(layer.mlp) is LlamaMLP) or not isinstance(layer, LlamaDecoderLayer):
-        raise Unsupported("a non-Llama layer")
+    if not declares(layer, CPU_DECODE_STEP):
+        raise Unsupported(f"{type(layer).__name__} does not declare the C decode step")
+    if not (sparse or type(layer.mlp) is LlamaMLP):
+        raise Unsupported("an MLP other than Llama's")
     attn: LlamaAttention = layer.self_attn
     if attn.o_proj.tp_size != 1:
         raise Unsupported("tensor parallelism")

@@ -75,8 +75,23 @@ class LlamaMLP(nn.Module):
         return self.down_proj(gate_up, gated=True), residual
 
 
+# The fused kernels that compute a whole decoder layer the Llama way (pre-norm RMSNorm, rotary attention
+# with an optional per-head q/k norm, a SiLU-gated MLP or experts): the C decode step of a CPU batch
+# (engine/cpu_step.py) and the Triton layer kernel (kernel.decode_layer).
+CPU_DECODE_STEP = "cpu_decode_step"
+TRITON_LAYER = "triton_layer"
+
+
+def declares(layer: nn.Module, fast_path: str) -> bool:
+    """Whether the layer's own class declares `fast_path` in its body. A subclass does not inherit the
+    declaration: one whose math differs (another norm, another activation) would otherwise be computed as
+    Llama's by the fused kernel without a word; it declares the paths it has checked it matches."""
+    return fast_path in vars(type(layer)).get("fast_paths", ())
+
+
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    fast_paths: ClassVar[tuple[str, ...]] = (CPU_DECODE_STEP, TRITON_LAYER)
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -96,9 +111,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def layer_weights(self) -> kernel.LayerWeights | None:
         """The tensors kernel.decode_layer reads, or None where the layer kernel does not serve this layer:
-        a mixture of experts, tensor parallelism, an output-projection or MLP bias, weights kept as stored
-        blocks, widths past the kernel's tile."""
+        a class that does not declare it, a mixture of experts, tensor parallelism, an output-projection or
+        MLP bias, weights kept as stored blocks, widths past the kernel's tile."""
         attn, mlp = self.self_attn, self.mlp
+        if not declares(self, TRITON_LAYER):
+            return None
         if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp_size > 1:
             return None
         if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):

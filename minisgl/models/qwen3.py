@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from typing import ClassVar
+
+from .llama import (
+    CPU_DECODE_STEP,
+    TRITON_LAYER,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 
 
 class Qwen3Attention(LlamaAttention):
@@ -11,6 +20,8 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
+    # both kernels apply the q/k norm (the C step from its descriptor, the layer kernel from its weights)
+    fast_paths: ClassVar[tuple[str, ...]] = (CPU_DECODE_STEP, TRITON_LAYER)
 
 
 class Qwen3Model(LlamaModel):
