@@ -6,7 +6,7 @@ GGUF files the way llama.cpp's converter writes them (its metadata keys, its q/k
 Llama), with a different block type per projection: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/F16 blocks from gguf's own
 quantizer, Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS random blocks (gguf has no quantizer for them). The reference is Hugging Face float32 on gguf.quants.dequantize of
 those blocks; minisgl reads the file with weights_format="stored". The default model, stored, gives the
-tokens of Hugging Face on today's float32 conversion on the README's prompts."""
+tokens of Hugging Face on today's float32 conversion on the offline example's prompts (docs/offline.md)."""
 
 from __future__ import annotations
 
