@@ -28,6 +28,7 @@ from minisgl.utils.hf import load_hf_config
 from ..args import ServerArgs
 from .auth import APIKeyMiddleware
 from .browsers import LocalOnly, LocalOnlyMiddleware
+from .chat_page import chat_page
 from .constraints import Constraint, requested, single
 from .draining import Drain, DrainMiddleware
 from .embeddings import EmbeddingRenderer, EmbeddingRequest, embedding_msgs
@@ -456,6 +457,10 @@ def create_app(args: ServerArgs, max_seq_len: int = 0, health: Callable[[], bool
 
     app.state.stop_gracefully = stop_gracefully
     add_worker_routes(app, server)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return chat_page()
 
     @app.get("/v1/models")
     async def v1_models() -> dict[str, Any]:
