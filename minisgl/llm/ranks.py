@@ -12,7 +12,7 @@ raises RankFailed naming the rank. With --nnodes N, LLM on node k > 0 runs that 
 A follower is a fresh interpreter (`python -c`, started with subprocess), not a multiprocessing child:
 multiprocessing's spawn re-imports the caller's `__main__`, so a script that calls LLM(tp_size=2) without
 an `if __name__ == "__main__":` guard would start its LLM again in every follower. The follower gets its
-arguments over the pipe instead, and the caller's sys.path as PYTHONPATH (as spawn passes it).
+arguments over the pipe instead, after the caller's sys.path (which it takes, as spawn does).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def _follower_main(config: SchedulerConfig, rank: int, conn: Any, parent_pid: in
 def follower_entry(fd: int) -> None:
     """A follower's `python -c` entry: its arguments come over the pipe at file descriptor `fd`."""
     conn = Connection(fd)
+    sys.path[:] = conn.recv()  # the caller's, before anything it names is unpickled
     config, rank, parent_pid = conn.recv()
     _follower_main(config, rank, conn, parent_pid)
 
@@ -147,8 +148,10 @@ class FollowerProcess:
 
     def __init__(self, rank: int, conn: Connection) -> None:
         self.name = f"minisgl-rank-{rank}"
-        paths = [p for p in sys.path if p]  # the caller's, the directory of its script included
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+        # where this package is, for the first import; the caller's whole sys.path follows over the pipe
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         code = f"from minisgl.llm.ranks import follower_entry; follower_entry({conn.fileno()})"
         # a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops the followers
         self.popen = subprocess.Popen(
@@ -189,6 +192,7 @@ class FollowerRanks:
             ours, theirs = mp.Pipe()
             p = FollowerProcess(rank, theirs)
             theirs.close()
+            ours.send(sys.path)
             ours.send((config, rank, os.getpid()))
             self.procs.append((rank, p, ours))
         if self.procs:
