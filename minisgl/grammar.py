@@ -72,8 +72,13 @@ _WHAT = {
 
 
 def _xgr() -> Any:
-    import xgrammar
-
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError(
+            "structured output needs xgrammar: pip install 'xgrammar>=0.2' (the `grammar` extra; ./run "
+            "installs it)"
+        ) from e
     return xgrammar
 
 

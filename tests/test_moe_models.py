@@ -150,7 +150,7 @@ def test_moe_tp2_and_ep2_equal_hf(moe_dirs, name, ep):
 
 @pytest.mark.parametrize(
     ("name", "tp", "ep", "message"),
-    [("mixtral", 2, 4, "must divide the TP size"), ("qwen3_moe", 4, 4, "number of experts")],
+    [("mixtral", 2, 4, "must divide the TP size"), ("mixtral", 8, 8, "exceeds the number of experts")],
 )
 def test_expert_parallel_sizes_are_refused_before_any_rank_starts(moe_dirs, name, tp, ep, message):
     with (
@@ -158,3 +158,41 @@ def test_expert_parallel_sizes_are_refused_before_any_rank_starts(moe_dirs, name
         make_llm(moe_dirs[name], **tiny_llm_kwargs(tp_size=tp, ep_size=ep)),
     ):
         pass
+
+
+@pytest.mark.parametrize(
+    ("experts", "ep", "ranges"),
+    [
+        (5, 2, [(0, 3), (3, 2)]),  # the remainder on the first ranks, as vLLM places it
+        (6, 4, [(0, 2), (2, 2), (4, 1), (5, 1)]),
+        (8, 2, [(0, 4), (4, 4)]),
+        (3, 3, [(0, 1), (1, 1), (2, 1)]),
+    ],
+)
+def test_expert_ranges_split_the_experts_with_the_remainder_first(experts, ep, ranges):
+    from minisgl.moe.layer import expert_range
+
+    assert [expert_range(experts, ep, r) for r in range(ep)] == ranges
+
+
+def test_ep2_over_five_experts_places_three_and_two_and_equals_hf(tmp_path):
+    """Two real ranks over gloo, EP=2 over 5 experts: rank 0 holds experts 0-2, rank 1 experts 3-4
+    (its weights one expert per sparse layer lighter), and the tokens are Hugging Face's."""
+    import dataclasses
+
+    spec = MOE_SPECS["qwen3_moe"]
+    spec = dataclasses.replace(spec, config_kwargs={**spec.config_kwargs, "num_experts": 5}, seed=9)
+    path = build_tiny_model(spec, str(tmp_path / "five_experts"))
+    prompts = prompts_for("qwen3_moe")
+    with make_llm(path, **tiny_llm_kwargs(tp_size=2, ep_size=2, max_prefill_length=16)) as llm:
+        sparse = [m for m in llm.scheduler.engine.model.modules() if m.__class__.__name__ == "Experts"]
+        assert [(m.expert_start, m.num_local) for m in sparse] == [(0, 3)] * len(sparse)
+        outs = llm.generate(prompts, params())
+        weights = [s["memory"]["weights"] for s in llm.rank_states()]
+    cfg = spec.config_kwargs
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    one_expert = 3 * hidden * inter * 4  # gate, up and down in float32, whole (TP / EP = 1)
+    assert weights[0] - weights[1] == len(sparse) * one_expert
+    ref = HFReference(path)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, "5 experts over ep=2")

@@ -7,6 +7,7 @@ starts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -162,6 +163,47 @@ def test_the_rank_processes_die_with_their_parent(tp_models, tmp_path):
         if parent.poll() is None:
             parent.kill()
         parent.stdout.close()
+
+
+def test_an_unguarded_script_runs_tp2_and_its_body_runs_once(tp_models, tmp_path):
+    """The followers never import the caller's `__main__`: a script written without the
+    `if __name__ == "__main__":` guard generates HF's tokens, and its top-level code runs only in rank 0."""
+    from helpers import HFReference, assert_tokens_equal_hf
+
+    prompt = random_prompt(11, TINY_SPECS["qwen3"].config_kwargs["vocab_size"], seed=77)
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, sys
+            import torch
+            from minisgl.core import SamplingParams
+            from minisgl.llm import LLM
+
+            print("script body ran", flush=True)
+            llm = LLM(sys.argv[1], tp_size=2, dtype=torch.float32, attn="torch", num_page_override=512,
+                      show_progress=False)
+            params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            out = llm.generate([json.loads(sys.argv[2])], params)
+            print("tokens", json.dumps(out[0]["token_ids"]), flush=True)
+            llm.shutdown()
+            """
+        )
+    )
+    r = subprocess.run(
+        [sys.executable, str(script), tp_models["qwen3"], json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("script body ran") == 1, r.stdout  # not again in the follower
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("tokens ")]
+    got = json.loads(line.split(" ", 1)[1])
+    assert len(got) == 10
+    assert_tokens_equal_hf(got, HFReference(tp_models["qwen3"]), prompt, "TP=2 from an unguarded script")
 
 
 def test_two_nodes_of_one_rank_each_equal_tp1(tp_models, tmp_path):

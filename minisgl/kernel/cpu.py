@@ -18,6 +18,7 @@ import torch
 
 from minisgl.env import ENV
 from minisgl.utils import init_logger
+from minisgl.utils.logger import logged_step
 
 logger = init_logger(__name__)
 
@@ -65,10 +66,11 @@ def _build(extra_flags: tuple[str, ...] = ()) -> str | None:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    logger.info("Compiling CPU kernels (%s) into %s", os.path.basename(compiler), path)
-    result = subprocess.run(
-        [compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False
-    )
+    what = f"Compiling CPU kernels ({os.path.basename(compiler)}, once per machine)"
+    with logged_step(logger, what, f"into {path}"):
+        result = subprocess.run(
+            [compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False
+        )
     if result.returncode != 0:
         os.unlink(tmp)
         logger.warning("Compiling CPU kernels failed; falling back to torch ops:\n%s", result.stderr[-2000:])

@@ -8,6 +8,11 @@ parent: it watches a pipe from rank 0 (end of file: the parent is gone) and asks
 when the parent exits. A follower that fails sends its traceback over that pipe and exits; rank 0 then
 raises RankFailed naming the rank. With --nnodes N, LLM on node k > 0 runs that node's ranks until rank
 0 stops them (`follow_rank0`).
+
+A follower is a fresh interpreter (`python -c`, started with subprocess), not a multiprocessing child:
+multiprocessing's spawn re-imports the caller's `__main__`, so a script that calls LLM(tp_size=2) without
+an `if __name__ == "__main__":` guard would start its LLM again in every follower. The follower gets its
+arguments over the pipe instead, after the caller's sys.path (which it takes, as spawn does).
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from multiprocessing.connection import Connection
 from typing import Any
 
 from minisgl.core import SamplingParams
@@ -115,6 +123,14 @@ def _follower_main(config: SchedulerConfig, rank: int, conn: Any, parent_pid: in
     os._exit(0)  # no interpreter teardown: rank 0 joins us and torch's teardown takes seconds
 
 
+def follower_entry(fd: int) -> None:
+    """A follower's `python -c` entry: its arguments come over the pipe at file descriptor `fd`."""
+    conn = Connection(fd)
+    sys.path[:] = conn.recv()  # the caller's, before anything it names is unpickled
+    config, rank, parent_pid = conn.recv()
+    _follower_main(config, rank, conn, parent_pid)
+
+
 def follow_rank0(config: SchedulerConfig, rank: int) -> None:
     """Run rank `rank` in this process until rank 0 stops it (a node other than node 0)."""
     scheduler = Scheduler(replace(config, tp_rank=rank, show_progress=False))
@@ -126,25 +142,58 @@ def follow_rank0(config: SchedulerConfig, rank: int) -> None:
 
 
 # ---- in rank 0 ---------------------------------------------------------------------------------------
+class FollowerProcess:
+    """One follower's process (a fresh interpreter, never a fork: CUDA and torch's threads do not survive
+    one), with the few methods of multiprocessing.Process that rank 0 uses."""
+
+    def __init__(self, rank: int, conn: Connection) -> None:
+        self.name = f"minisgl-rank-{rank}"
+        # where this package is, for the first import; the caller's whole sys.path follows over the pipe
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        code = f"from minisgl.llm.ranks import follower_entry; follower_entry({conn.fileno()})"
+        # a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops the followers
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", code], pass_fds=[conn.fileno()], env=env, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+
 class FollowerRanks:
-    """Rank 0's side: spawns this node's other ranks, sends them each step's commands, reports their
+    """Rank 0's side: starts this node's other ranks, sends them each step's commands, reports their
     failures, stops them."""
 
     def __init__(self, config: SchedulerConfig, first_rank: int = 1) -> None:
-        ctx = mp.get_context("spawn")  # CUDA and torch's threads do not survive a fork
         self.pending: list[tuple] = []
-        self.procs: list[tuple[int, Any, Any]] = []  # (rank, process, rank 0's end of its pipe)
+        self.procs: list[tuple[int, FollowerProcess, Connection]] = []  # (rank, process, rank 0's end)
         per_node = config.tp_size // config.nnodes
         for rank in range(first_rank, first_rank + per_node - 1):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_follower_main,
-                args=(config, rank, theirs, os.getpid()),
-                name=f"minisgl-rank-{rank}",
-                daemon=True,
-            )
-            p.start()
+            ours, theirs = mp.Pipe()
+            p = FollowerProcess(rank, theirs)
             theirs.close()
+            ours.send(sys.path)
+            ours.send((config, rank, os.getpid()))
             self.procs.append((rank, p, ours))
         if self.procs:
             logger.info(f"Started ranks {', '.join(f'{r} (pid {p.pid})' for r, p, _ in self.procs)}")

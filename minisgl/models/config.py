@@ -146,13 +146,16 @@ class ModelConfig:
             )
 
     def _check_ep(self, tp_size: int, ep_size: int) -> None:
-        """--ep N: an MoE model, N dividing the TP size and the number of experts."""
+        """--ep N: an MoE model, N dividing the TP size and at most its number of experts (which N need not
+        divide: the first ranks hold one expert more, moe/layer.py)."""
         if ep_size == 1:
             return
         if self.moe is None:
             raise ValueError(f"--ep {ep_size}: {self.architecture} has no experts")
-        if tp_size % ep_size or self.moe.num_experts % ep_size:
+        if tp_size % ep_size:
+            raise ValueError(f"--ep {ep_size} must divide the TP size ({tp_size})")
+        if self.moe.num_experts < ep_size:
             raise ValueError(
-                f"--ep {ep_size} must divide the TP size ({tp_size}) and the number of experts "
-                f"({self.moe.num_experts})"
+                f"--ep {ep_size} exceeds the number of experts ({self.moe.num_experts}): every EP rank "
+                "needs at least one"
             )

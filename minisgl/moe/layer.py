@@ -1,8 +1,9 @@
 """A sparse MoE layer: the router and the stacked expert weights of one decoder layer.
 
 Tensor parallelism shards each expert's intermediate dimension across ranks; expert parallelism (ep_size
-ranks of the TP group) places E / ep_size whole experts on each rank instead. With both, rank r holds the
-experts of EP rank r // (tp / ep), sharded tp / ep ways. Every rank sees every token (attention is tensor-
+ranks of the TP group) places whole experts on each rank instead: E // ep_size each, the remainder one more
+on each of the first ranks, as vLLM places them (5 experts over 2: 0-2 and 3-4). With both, rank r holds
+the experts of EP rank r // (tp / ep), sharded tp / ep ways. Every rank sees every token (attention is tensor-
 parallel, so its output is replicated): dispatch is each rank selecting the tokens routed to its experts,
 and the combine is the all-reduce that sums the ranks' partial outputs, as after any row-parallel layer."""
 
@@ -36,6 +37,12 @@ def _divide(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """EP rank `ep_rank`'s experts: (first, count), contiguous; the first E % ep_size ranks hold one more."""
+    base, extra = divmod(num_experts, ep_size)
+    return ep_rank * base + min(ep_rank, extra), base + (ep_rank < extra)
+
+
 class Router(nn.Module):
     """The gate: one logit per expert for each token, replicated on every rank."""
 
@@ -59,8 +66,9 @@ class Experts(nn.Module):
         _divide(tp.size, ep, "the TP size (over the EP size)")
         moe_tp = tp.size // ep
         self.num_experts = num_experts
-        self.num_local = _divide(num_experts, ep, "num_experts (over the EP size)")
-        self.expert_start = (tp.rank // moe_tp) * self.num_local
+        if num_experts < ep:
+            raise ValueError(f"num_experts={num_experts} is fewer than the EP size {ep}")
+        self.expert_start, self.num_local = expert_range(num_experts, ep, tp.rank // moe_tp)
         self.shard = _divide(intermediate_size, moe_tp, "the expert intermediate size (over TP / EP)")
         self.shard_rank = tp.rank % moe_tp
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.shard, hidden_size), requires_grad=False)

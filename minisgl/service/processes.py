@@ -26,6 +26,7 @@ from minisgl.utils import init_logger
 from .args import ServerArgs
 
 logger = init_logger(__name__, "launcher")
+IMPORT_TICK_S = 5.0  # the longest the launcher stays silent while its workers import
 
 
 class WorkerDied(RuntimeError):
@@ -107,6 +108,7 @@ def _start_scheduler(args: ServerArgs, rank: int, ack_queue: Any, name: str) -> 
 def _run_scheduler(args: ServerArgs, rank: int, ack_queue: Any, parent_pid: int) -> None:
     child_init(parent_pid)
     name = f"scheduler-{rank}"
+    ack_queue.put((name, {"stage": "imported"}))  # torch came with the arguments' classes
     try:
         io = _start_scheduler(args, rank, ack_queue, name)
         try:
@@ -123,6 +125,7 @@ def _run_tokenizer(kwargs: dict[str, Any], ack_queue: Any, parent_pid: int) -> N
     from .tokenizer_worker import tokenize_worker
 
     name = kwargs["worker_name"]
+    ack_queue.put((name, {"stage": "imported"}))
     try:
         tokenize_worker(ack_queue=ack_queue, **kwargs)
     except SystemExit as e:  # stopped by the launcher (the worker closed its queues on the way out)
@@ -214,7 +217,6 @@ class ServiceProcesses:
             signal.signal(signal.SIGINT, previous)
         names = ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         logger.info(f"Started {len(self.procs)} worker processes: {names}")
-        # the workers are silent while they import torch (seconds on a busy machine)
         logger.info(
             f"Loading {self.args.model_path}: the workers import torch, then the scheduler builds the model"
         )
@@ -270,8 +272,11 @@ class ServiceProcesses:
         return all(p.is_alive() for p in self.procs)
 
     def wait_ready(self) -> dict[str, dict[str, Any]]:
-        """Block until every worker reported ready; raise WorkerDied if one failed instead."""
+        """Block until every worker reported ready; raise WorkerDied if one failed instead. While the
+        workers import torch (silent, seconds on a busy machine) a line every IMPORT_TICK_S says so."""
         ready: dict[str, dict[str, Any]] = {}
+        imported: set[str] = set()
+        start = last = time.monotonic()
         while len(ready) < len(self.procs):
             try:
                 name, info = self.ack_queue.get(timeout=0.5)
@@ -279,6 +284,12 @@ class ServiceProcesses:
                 problem = self.dead()
                 if problem:
                     raise WorkerDied(problem) from None
+                if len(imported) < len(self.procs) and time.monotonic() - last >= IMPORT_TICK_S:
+                    logger.info(f"The workers are still importing torch ({time.monotonic() - start:.0f} s)")
+                    last = time.monotonic()
+                continue
+            if info.get("stage") == "imported":
+                imported.add(name)
                 continue
             if "error" in info:
                 raise WorkerDied(f"{name} failed to start: {info['error']}")

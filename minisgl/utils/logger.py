@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 _CONFIGURED = False
 
@@ -30,3 +34,25 @@ def init_logger(name: str, role: str | None = None) -> logging.Logger:
     if role:
         name = f"{name}:{role}"
     return logging.getLogger(name)
+
+
+@contextlib.contextmanager
+def logged_step(logger: logging.Logger, what: str, detail: str = "", every: float = 5.0) -> Iterator[None]:
+    """Log `what` (and `detail`, the first time), a line every `every` seconds while it runs (a first start
+    never sits silent), and how long it took."""
+    logger.info(f"{what} {detail} ..." if detail else f"{what} ...")
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            logger.info(f"{what}: still at it ({time.monotonic() - t0:.0f} s)")
+
+    ticker = threading.Thread(target=tick, name="minisgl-step-ticker", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    logger.info(f"{what}: done in {time.monotonic() - t0:.1f} s")

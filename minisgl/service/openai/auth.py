@@ -1,4 +1,5 @@
-"""`--api-key`: every request but /health must carry `Authorization: Bearer <key>`, or gets OpenAI's 401."""
+"""`--api-key`: every request but /health and the chat page must carry `Authorization: Bearer <key>`, or
+gets OpenAI's 401."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
+# liveness probes carry no credentials; the chat page (static, no data) asks for the key and sends it itself
+OPEN_PATHS = frozenset({"/health", "/"})
 
 MISSING_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header using "

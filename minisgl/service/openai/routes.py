@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from ..args import ServerArgs
 from .auth import APIKeyMiddleware
 from .browsers import LocalOnly, LocalOnlyMiddleware
+from .chat_page import chat_page
 from .draining import Drain, DrainMiddleware
 from .errors import (
     SERVER_ERROR,
@@ -60,6 +61,10 @@ def create_app(
 
     app.state.stop_gracefully = stop_gracefully
     add_worker_routes(app, server)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return chat_page()
 
     @app.get("/v1/models")
     async def v1_models() -> dict[str, Any]:
