@@ -73,4 +73,4 @@ def test_pip_output_becomes_progress_lines():
         "[setup]   downloading typing_extensions-4.15.0 (44 kB)",
         "[setup]   installing 3 packages",
     ]
-    assert lines[-1].startswith("[setup]   done in ")
+    assert len(lines) == 3  # its time is pip_install's to say, once pip succeeded
