@@ -20,21 +20,28 @@ def _set_up_venv() -> str | None:
     return venv if (venv_path / ".minisgl-test").is_file() else None
 
 
-@pytest.mark.parametrize("extra", [[], ["-q"], ["-v"]])
-def test_run_test_prints_the_total_whatever_the_verbosity_given(extra):
+COLLECT = ["--collect-only", "-p", "no:cacheprovider", "tests/test_message.py"]
+
+
+@pytest.fixture(scope="module")
+def collected() -> int:
+    """pytest's own count of COLLECT (default verbosity), in the environment `./run test` set up."""
     venv = _set_up_venv()
     if venv is None:
         pytest.skip("no environment set up by `./run test` here (CI has one)")
-    cmd = ["./run", "test", "--collect-only", *extra, "-p", "no:cacheprovider", "tests/test_message.py"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
-    args = ["--collect-only", "-p", "no:cacheprovider", "tests/test_message.py"]
-    # pytest's own count, with its default verbosity
-    reference = subprocess.run(
-        [f"{venv}/bin/python", "-m", "pytest", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    out = subprocess.run(
+        [f"{venv}/bin/python", "-m", "pytest", *COLLECT], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    count = re.search(r"(\d+) tests? collected", reference)
+    count = re.search(r"(\d+) tests? collected", out)
     assert count is not None
-    assert re.search(rf"\b{count.group(1)} tests? collected", out.strip().splitlines()[-1])
+    return int(count.group(1))
+
+
+@pytest.mark.parametrize("extra", [[], ["-q"], ["-v"]])
+def test_run_test_prints_the_total_whatever_the_verbosity_given(collected, extra):
+    cmd = ["./run", "test", *extra, *COLLECT]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+    assert re.search(rf"\b{collected} tests? collected", out.strip().splitlines()[-1])
 
 
 PIP_OUTPUT = """\
@@ -66,4 +73,4 @@ def test_pip_output_becomes_progress_lines():
         "[setup]   downloading typing_extensions-4.15.0 (44 kB)",
         "[setup]   installing 3 packages",
     ]
-    assert lines[-1].startswith("[setup]   done in ")
+    assert len(lines) == 3  # its time is pip_install's to say, once pip succeeded
