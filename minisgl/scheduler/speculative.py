@@ -1,0 +1,103 @@
+"""Speculative decoding: proposers guess the tokens that follow a request, the target model checks them.
+
+A proposer suggests up to k tokens per request (`Proposer.propose`); the scheduler verifies them in one
+decode step over k + 1 rows per request (scheduler.py `_prepare_decode`): row i computes position
+`cached_len + i`, its input the request's last token (i = 0) or proposal i, so it yields the target's token
+after proposal i. Rows of one request share its page-table row; each writes its own KV slot before any row
+attends, so row i sees the proposals before it as a prefill would. The engine samples each row from the
+target's processed distribution (greedy: its argmax; sampled: the rejection scheme of
+kernel/reference.py `speculative_sample`), and the request keeps the longest run of proposals the rows
+agree with plus the next row's token; the KV of the rest is overwritten later, their extra pages freed.
+
+A new proposer (a draft model, an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`.
+Each request's k adapts to how often its proposals were accepted (`SpecState`): a request whose proposals
+keep failing stops proposing for a while, so it costs nothing more than a decode step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minisgl.core import Req
+
+# adaptive k: acceptance is an exponential average over verify steps; below POOR the request rests for
+# REST steps (proposes nothing), then tries again from TRY_AGAIN
+SMOOTHING = 0.3
+POOR, REST, TRY_AGAIN = 0.15, 16, 0.4
+
+
+@dataclass
+class SpecState:
+    """One request's speculation state, kept on `Req.spec`: the proposer's own state and the adaptive k."""
+
+    acceptance: float = 1.0  # exponential average of accepted / proposed
+    rest: int = 0  # decode steps left without proposing
+    proposer: dict = field(default_factory=dict)  # the proposer's per-request data
+
+    def k(self, max_k: int) -> int:
+        """Tokens to propose this step (0: none)."""
+        if self.rest > 0:
+            self.rest -= 1
+            return 0
+        return max(1, min(max_k, round(max_k * self.acceptance)))
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
+        if self.acceptance < POOR:
+            self.rest, self.acceptance = REST, TRY_AGAIN
+
+
+class Proposer(ABC):
+    """Proposes the tokens that may follow each request's known tokens (prompt and output so far)."""
+
+    @abstractmethod
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        """At most ks[i] tokens for reqs[i] (fewer, or none, where it has no guess)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest n-gram of the request earlier in its tokens (longest n first, from
+    `max_n` down to `min_n`) and propose the tokens that followed it there. An index per request maps each
+    n-gram to where it last ended; it grows with the tokens, so a step costs O(new tokens), not O(length)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        return [self._one(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+    def _one(self, req: Req, k: int) -> list[int]:
+        toks = req.token_ids
+        n_tok = len(toks)
+        data = req.spec.proposer
+        index: dict[tuple[int, ...], int] = data.setdefault("index", {})
+        # index the n-grams ending before the last token: each has a following token to propose
+        for end in range(data.get("upto", 0), n_tok):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                index[tuple(toks[end - n : end])] = end
+        data["upto"] = n_tok
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            end = index.get(tuple(toks[n_tok - n :]))
+            if end is None or end >= n_tok:
+                continue
+            # the continuation; past the known tokens it repeats the match's period (a loop continues)
+            out: list[int] = []
+            for i in range(k):
+                j = end + i
+                out.append(toks[j] if j < n_tok else out[j - n_tok])
+            return out
+        return []
+
+
+PROPOSERS = {"ngram": NgramProposer}
+
+
+def create_proposer(name: str, min_n: int, max_n: int) -> Proposer:
+    if name not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {name!r}; there are: {', '.join(PROPOSERS)}")
+    return PROPOSERS[name](min_n, max_n)
