@@ -8,7 +8,9 @@ node is left behind after many rejected proposals."""
 
 from __future__ import annotations
 
+import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -17,8 +19,11 @@ from helpers import (
     assert_all_kv_free,
     assert_tokens_equal_hf,
     make_llm,
+    metrics,
     random_prompt,
+    serving,
     tiny_llm_kwargs,
+    wait_idle,
 )
 from test_sampler import DRAWS, LOGITS, assert_matches, expected_probs, make_info
 
@@ -185,6 +190,31 @@ def test_default_model_repeats_text_with_speculation_as_hf(default_model_dir):
     assert_tokens_equal_hf(out["token_ids"], HFReference(default_model_dir), ids, what="default model")
 
 
+def test_penalties_and_seeds_with_speculation_equal_the_plain_path(tiny_model_dirs):
+    """Penalised greedy rows read the proposals before them as their history (the token pool), so they
+    equal the plain decode path; a seeded sampled request gives the same tokens twice."""
+    name = "llama"
+    prompts = _prompts(733)
+    params = [
+        SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.3),
+        SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={5: 2.0, 9: -1.0}),
+    ] * 2
+    outs = {}
+    for spec in (None, "ngram"):
+        with make_llm(
+            tiny_model_dirs[name], **tiny_llm_kwargs(), speculative=spec, speculative_max_batch=32
+        ) as llm:
+            outs[spec] = [o["token_ids"] for o in llm.generate(prompts, params)]
+            if spec:
+                assert llm.stats()["spec_accepted_tokens"] > 0
+                seeded = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=11)
+                a, b = (llm.generate(prompts[:2], seeded) for _ in range(2))
+                assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+            assert_all_kv_free(llm)
+    assert outs["ngram"] == outs[None]
+
+
 # ---- sampled end to end: the target's distribution ---------------------------------------------------
 def _pooled_chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Chi-square with the bins expected below 5 pooled into one; (statistic, degrees of freedom)."""
@@ -249,3 +279,52 @@ def test_sampled_tokens_follow_the_target_at_the_first_and_later_positions(tiny_
     c3 = torch.bincount(toks[toks[:, 0] == a, 2], minlength=vocab).double()
     stat, df = _pooled_chi_square(c3, marg3)
     assert stat < _chi_bound(df), f"third token: chi-square {stat:.1f} (df {df})"
+
+
+# ---- the service ------------------------------------------------------------------------------------
+REPEAT_TEXT = (
+    "Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, melons, peaches, "
+    "apricots, figs, dates, kiwis, mangoes, papayas."
+)
+
+
+def test_service_speculates_and_reports_acceptance_in_metrics(tmp_path, default_model_dir):
+    """`--speculative ngram` in the service: streamed and plain greedy replies equal the offline greedy
+    ones without speculation (concurrent requests share verify steps), /metrics counts the proposals, and
+    the idle-time integrity check (strict in tests) finds every page back."""
+    import httpx
+
+    messages = [[{"role": "user", "content": REPEAT_TEXT}], [{"role": "user", "content": "Count to twenty."}]]
+    with make_llm(None, dtype=torch.float32, show_progress=False, weights_format="float32") as llm:
+        tok = llm.tokenizer
+        prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+        expected = [o["text"] for o in llm.generate(ids, SamplingParams(max_tokens=48))]
+    args = ["--dtype", "float32", "--weights-format", "float32", "--num-pages", "4096"]
+    args += ["--speculative", "ngram", "--num-speculative-tokens", "3", "--served-model-name", "m"]
+    with serving(args, tmp_path / "server.log") as service:
+        body = {"model": "m", "max_tokens": 48, "temperature": 0}
+        with httpx.Client(base_url=service.url, timeout=120) as client:
+            with ThreadPoolExecutor(2) as pool:
+                replies = list(
+                    pool.map(
+                        lambda m: client.post("/v1/chat/completions", json={**body, "messages": m}).json(),
+                        messages,
+                    )
+                )
+            texts = [r["choices"][0]["message"]["content"] for r in replies]
+            streamed = ""
+            with client.stream(
+                "POST", "/v1/chat/completions", json={**body, "messages": messages[0], "stream": True}
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        delta = json.loads(line[6:])["choices"][0]["delta"]
+                        streamed += delta.get("content") or ""
+        assert texts == expected
+        assert streamed == expected[0]
+        m = wait_idle(service.url, after_checks=0)
+        assert m["minisgl_spec_proposed_tokens"] > 0 and m["minisgl_spec_accepted_tokens"] > 0, m
+        assert 0 < m["minisgl_spec_acceptance_rate"] <= 1
+        assert m.get("minisgl_integrity_failures", 0) == 0
+        assert metrics(service.url)["minisgl_kv_used_pages"] == m["minisgl_kv_cached_pages"]
