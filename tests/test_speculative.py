@@ -328,3 +328,24 @@ def test_service_speculates_and_reports_acceptance_in_metrics(tmp_path, default_
         assert 0 < m["minisgl_spec_acceptance_rate"] <= 1
         assert m.get("minisgl_integrity_failures", 0) == 0
         assert metrics(service.url)["minisgl_kv_used_pages"] == m["minisgl_kv_cached_pages"]
+
+
+# ---- the GPU path -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_verify_steps_equal_hf_with_graphs_on(tiny_model_dirs, hf_reference, page_size):
+    """On CUDA (Triton attention, decode and prefill graphs on, overlap on): verify steps run eagerly with
+    the store-then-attend plan between graph-replayed decode steps; greedy output equals Hugging Face."""
+    name = "llama"
+    ref = hf_reference(name)
+    prompts = _prompts(733)
+    kw = {"dtype": torch.float32, "attn": "triton", "page_size": page_size, "num_page_override": 4096}
+    spec = {"speculative": "ngram", "num_speculative_tokens": 5, "speculative_max_batch": 32}
+    with make_llm(tiny_model_dirs[name], device="cuda", show_progress=False, **kw, **spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"prompt {i}")
+        assert llm.stats()["spec_accepted_tokens"] > 0
+        assert llm.scheduler.engine.graph_runner is not None
+        assert_all_kv_free(llm)
