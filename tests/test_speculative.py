@@ -170,6 +170,38 @@ def test_greedy_speculation_equals_hf_one_request_at_a_time_with_stops(tiny_mode
         assert_all_kv_free(llm)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_many_rejected_proposals_leak_no_page_or_cache_node(
+    tiny_model_dirs, hf_reference, page_size, monkeypatch
+):
+    """A proposer that is always wrong, k rows every step, a small pool: every proposal's KV slot and page
+    is given back (the output is still the target's), and once the cache is flushed every page is free."""
+    from minisgl.benchmark.spec_verify import FixedProposer
+
+    monkeypatch.setattr(SpecState, "update", lambda self, proposed, accepted: None)  # never rests
+    name = "llama"
+    ref = hf_reference(name)
+    prompts = [random_prompt(20 + i, 733, 300 + i) for i in range(8)]
+    kw = tiny_llm_kwargs(page_size=page_size, num_page_override=2048 // page_size)
+    spec = {"speculative": "ngram", "num_speculative_tokens": 7, "speculative_max_batch": 32}
+    with make_llm(tiny_model_dirs[name], **kw, **spec) as llm:
+        wrong = FixedProposer()
+        wrong.k = 7
+        llm.scheduler.proposer = wrong
+        outs = llm.generate(prompts, SamplingParams(max_tokens=50, ignore_eos=True))
+        stats = llm.stats()
+        assert_all_kv_free(llm)
+        assert llm.scheduler.flush_cache() is not None
+        assert llm.scheduler.num_free_pages() == llm.scheduler.num_total_pages
+        assert llm.scheduler.cache.cache.cached_pages == 0
+    assert (
+        stats["spec_proposed_tokens"] >= 8 * 7 * 20
+        and stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"] / 10
+    )
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"prompt {i}")
+
+
 def test_default_model_repeats_text_with_speculation_as_hf(default_model_dir):
     from transformers import AutoTokenizer
 

@@ -421,7 +421,7 @@ class Scheduler:
             # request's last position
             room = r.max_total_len - r.device_len - 1
             ks.append(0 if r.grammar is not None or room <= 0 else min(r.spec.k(max_k), room))
-        drafts = self.proposer.propose(reqs, ks) if any(ks) else []
+        drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
         if not any(drafts):
             return None
         ps = self.page_size
