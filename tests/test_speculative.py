@@ -30,7 +30,7 @@ from test_sampler import DRAWS, LOGITS, assert_matches, expected_probs, make_inf
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.sampler import Sampler
 from minisgl.scheduler import SchedulerConfig
-from minisgl.scheduler.speculative import NgramProposer, SpecState
+from minisgl.scheduler.speculative import NgramProposer, SpecState, StepCosts
 from minisgl.utils.options import OptionError, build
 
 DEVICE = torch.device("cpu")
@@ -66,6 +66,23 @@ def test_the_index_grows_with_the_tokens():
     assert proposer.propose([req], [3]) == [[]]
     req.token_ids += [9, 1, 2]
     assert proposer.propose([req], [3]) == [[3, 4, 9]]
+
+
+def test_a_lone_request_takes_the_k_of_the_most_tokens_per_second():
+    costs = StepCosts()
+    assert costs.best_k(0.9, 8) == 8  # nothing measured: try the most
+    for rows, ms in [(1, 6.0), (2, 6.6), (3, 8.0), (4, 12.0), (5, 13.0), (6, 14.0), (7, 24.0)]:
+        costs.add(rows, ms / 1000)
+    # by hand: expected tokens 1 + h + ... + h^k over the step's milliseconds
+    assert costs.best_k(0.7, 6) == 2  # 2.19 / 8.0 beats 1.7 / 6.6, 2.53 / 12.0, ...
+    assert costs.best_k(0.97, 6) == 5  # 5.71 / 14.0 beats 3.91 / 12.0 and 2.91 / 8.0
+    assert costs.best_k(0.97, 8) == 8  # 9 rows not measured yet: assumed cheap (8.0 tokens / 18 ms), tried
+    assert costs.best_k(0.0, 6) == 0  # nothing is ever accepted: no proposals
+    state = SpecState(hit=0.0)
+    assert state.k(6, costs) == 0 and state.rest > 0  # it rests, then tries again
+    while state.rest:
+        assert state.k(6, costs) == 0
+    assert state.k(6, costs) >= 1
 
 
 def test_options_refuse_bad_values_naming_them():

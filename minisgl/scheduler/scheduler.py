@@ -12,6 +12,7 @@ matchers), then the masks are filled and step N samples. A step with no constrai
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from .config import SchedulerConfig
 from .decode import DecodeManager
 from .grammar import GrammarManager
 from .prefill import PrefillManager, PrefillPlan, pages_for
-from .speculative import SpecState, create_proposer
+from .speculative import SpecState, StepCosts, create_proposer
 from .table import TableManager
 
 logger = init_logger(__name__)
@@ -103,6 +104,7 @@ class Scheduler:
                 config.speculative, config.speculative_ngram_min, config.speculative_ngram_max
             )
         self.spec_proposed = self.spec_accepted = self.spec_steps = 0
+        self.step_costs = StepCosts()  # a lone request's steps by rows: what its k is chosen from
         self.last_batch_size = 0
         self.max_batch_size = 0
         self.num_total_pages = self.engine.num_pages
@@ -205,6 +207,11 @@ class Scheduler:
         out = fwd = None
         if batch is not None and batch.grammar_rows is not None:
             fwd = self._launch_forward(batch)  # its masks need the tokens of the step in flight
+        elif batch is not None and self._times_steps(batch):
+            start = time.perf_counter()
+            out = self._launch(batch)
+            out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
+            self.step_costs.add(batch.size, time.perf_counter() - start)
         elif batch is not None:
             out = self._launch(batch)
         results, self._pending_outputs = self._pending_outputs, []
@@ -221,6 +228,15 @@ class Scheduler:
             else:
                 results += self._process(batch, out)
         return results
+
+    def _times_steps(self, batch: Batch) -> bool:
+        """A step of one request while it may speculate: its cost by rows chooses its k (StepCosts)."""
+        return (
+            self.proposer is not None
+            and batch.is_decode
+            and batch.reqs[0] is batch.reqs[-1]
+            and len(self.decode.running) == 1
+        )
 
     def _launch(self, batch: Batch) -> ForwardOutput:
         return self._on_engine_stream(batch, self.engine.forward_batch)
@@ -413,6 +429,7 @@ class Scheduler:
         """A verify step: each request's proposals in rows after its last token (scheduler/speculative.py).
         None when no request has a proposal or the pool cannot hold them (a plain decode step then)."""
         max_k = self.config.num_speculative_tokens
+        costs = self.step_costs if len(reqs) == 1 else None
         ks = []
         for r in reqs:
             if r.spec is None:
@@ -420,7 +437,7 @@ class Scheduler:
             # no proposals under a grammar (the masks follow the matcher one token a step), nor beyond the
             # request's last position
             room = r.max_total_len - r.device_len - 1
-            ks.append(0 if r.grammar is not None or room <= 0 else min(r.spec.k(max_k), room))
+            ks.append(0 if r.grammar is not None or room <= 0 else min(r.spec.k(max_k, costs), room))
         drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
         if not any(drafts):
             return None

@@ -11,7 +11,10 @@ agree with plus the next row's token; the KV of the rest is overwritten later, t
 
 A new proposer (a draft model, an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`.
 Each request's k adapts to how often its proposals were accepted (`SpecState`): a request whose proposals
-keep failing stops proposing for a while, so it costs nothing more than a decode step."""
+keep failing stops proposing for a while, so it costs nothing more than a decode step. While one request
+decodes alone, k is the one that maximises its expected tokens per second, from its acceptance and the
+measured cost of a step by its rows (`StepCosts`): on a CPU a verify row costs a fraction of a decode
+step that jumps where the kernels change their tiling, so the best k is not simply the largest."""
 
 from __future__ import annotations
 
@@ -28,27 +31,68 @@ SMOOTHING = 0.3
 POOR, REST, TRY_AGAIN = 0.15, 16, 0.4
 
 
+COST_SMOOTHING = 0.2
+UNMEASURED_ROW = 0.25  # an unmeasured step's cost per row beyond the first, in decode steps (optimistic)
+
+
 @dataclass
 class SpecState:
     """One request's speculation state, kept on `Req.spec`: the proposer's own state and the adaptive k."""
 
     acceptance: float = 1.0  # exponential average of accepted / proposed
+    # exponential average of the chance that a proposal is accepted given the ones before it were (each
+    # verify step is a run of accepted proposals ended by a rejection or by the last one)
+    hit: float = 0.8
     rest: int = 0  # decode steps left without proposing
     proposer: dict = field(default_factory=dict)  # the proposer's per-request data
 
-    def k(self, max_k: int) -> int:
-        """Tokens to propose this step (0: none)."""
+    def k(self, max_k: int, costs: StepCosts | None = None) -> int:
+        """Tokens to propose this step (0: none); `costs`: the request decodes alone, pick the k of the
+        most tokens per second."""
         if self.rest > 0:
             self.rest -= 1
             return 0
+        if costs is not None:
+            k = costs.best_k(self.hit, max_k)
+            if k == 0:  # proposing costs more than it gains now: rest, then try again
+                self.rest, self.hit = REST, max(self.hit, TRY_AGAIN)
+            return k
         return max(1, min(max_k, round(max_k * self.acceptance)))
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
         self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
+        trials = accepted + (accepted < proposed)
+        self.hit += SMOOTHING * (accepted / trials - self.hit)
         if self.acceptance < POOR:
             self.rest, self.acceptance = REST, TRY_AGAIN
+
+
+class StepCosts:
+    """Seconds of a step of one request by its rows (1: decode), exponential averages of the steps run."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def add(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
+
+    def best_k(self, hit: float, max_k: int) -> int:
+        """The k whose expected tokens (1 + hit + hit^2 + ... + hit^k: the proposals accepted in a row,
+        then the target's own token) per second of its step of k + 1 rows is the largest. A row count not
+        measured yet is assumed cheap, so that it gets tried."""
+        decode = self.seconds.get(1)
+        if decode is None:
+            return max_k
+        best, best_rate, tokens = 0, 1.0 / decode, 1.0
+        for k in range(1, max_k + 1):
+            tokens += hit**k
+            cost = self.seconds.get(k + 1, decode * (1 + UNMEASURED_ROW * k))
+            if tokens / cost > best_rate:
+                best, best_rate = k, tokens / cost
+        return best
 
 
 class Proposer(ABC):
