@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         return out
 
     engine.forward_batch = timed
-    # the proposals are always rejected, which would rest the request (SpecState): keep it proposing
+    # the proposals are always rejected, which would rest the request (SpecState) or choose a small k
+    # (StepCosts): keep it proposing all k
     keep_update, SpecState.update = SpecState.update, lambda self, proposed, accepted: None
+    sched.step_costs.best_k = lambda hits, n, max_k: max_k
     prompt = [1000 + i % 5000 for i in range(args.context)]
     try:
         for k in range(args.max_k + 1):

@@ -230,12 +230,13 @@ class Scheduler:
         return results
 
     def _times_steps(self, batch: Batch) -> bool:
-        """A step of one request while it may speculate: its cost by rows chooses its k (StepCosts)."""
+        """A decode or verify step while speculation is possible: its cost by rows chooses k (StepCosts).
+        Not with several ranks: each would time its own steps, and they must all choose the same k."""
         return (
             self.proposer is not None
+            and self.config.tp_info.size == 1
             and batch.is_decode
-            and batch.reqs[0] is batch.reqs[-1]
-            and len(self.decode.running) == 1
+            and len(self.decode.running) <= self.config.speculative_max_batch
         )
 
     def _launch(self, batch: Batch) -> ForwardOutput:
@@ -246,8 +247,9 @@ class Scheduler:
 
     def _on_engine_stream(self, batch: Batch, run: Callable[[Batch], Any]) -> Any:
         """Launch `run(batch)` on the engine's stream, after what the current stream prepared."""
-        self.last_batch_size = batch.size
-        self.max_batch_size = max(self.max_batch_size, batch.size)
+        size = batch.size if batch.drafts is None else batch.drafts.count(-1)  # requests, not rows
+        self.last_batch_size = size
+        self.max_batch_size = max(self.max_batch_size, size)
         self.stream.wait_stream(current_stream(self.device))
         with use_stream(self.stream):
             return run(batch)
@@ -429,15 +431,23 @@ class Scheduler:
         """A verify step: each request's proposals in rows after its last token (scheduler/speculative.py).
         None when no request has a proposal or the pool cannot hold them (a plain decode step then)."""
         max_k = self.config.num_speculative_tokens
-        costs = self.step_costs if len(reqs) == 1 else None
-        ks = []
+        rooms = []
         for r in reqs:
             if r.spec is None:
                 r.spec = SpecState()
             # no proposals under a grammar (the masks follow the matcher one token a step), nor beyond the
             # request's last position
             room = r.max_total_len - r.device_len - 1
-            ks.append(0 if r.grammar is not None or room <= 0 else min(r.spec.k(max_k, costs), room))
+            rooms.append(room if r.grammar is None and room > 0 and r.spec.ready() else 0)
+        if self.config.tp_info.size > 1:
+            ks = [min(r.spec.k(max_k), room) for r, room in zip(reqs, rooms)]
+        else:  # the k of the most expected tokens per second of the step
+            k = self.step_costs.best_k([r.spec.hit for r, m in zip(reqs, rooms) if m], len(reqs), max_k)
+            if k == 0:
+                for r, m in zip(reqs, rooms):
+                    if m:
+                        r.spec.pause()
+            ks = [min(k or 0, room) for room in rooms]
         drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
         if not any(drafts):
             return None

@@ -11,10 +11,11 @@ agree with plus the next row's token; the KV of the rest is overwritten later, t
 
 A new proposer (a draft model, an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`.
 Each request's k adapts to how often its proposals were accepted (`SpecState`): a request whose proposals
-keep failing stops proposing for a while, so it costs nothing more than a decode step. While one request
-decodes alone, k is the one that maximises its expected tokens per second, from its acceptance and the
+keep failing stops proposing for a while, so it costs nothing more than a decode step. With one rank, k
+is the one that maximises the step's expected tokens per second, from the requests' acceptance and the
 measured cost of a step by its rows (`StepCosts`): on a CPU a verify row costs a fraction of a decode
-step that jumps where the kernels change their tiling, so the best k is not simply the largest."""
+step that jumps where the kernels change their tiling, and a batch of several requests pays for every
+row, so the best k is not simply the largest."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ POOR, REST, TRY_AGAIN = 0.15, 16, 0.4
 
 
 COST_SMOOTHING = 0.2
-UNMEASURED_ROW = 0.25  # an unmeasured step's cost per row beyond the first, in decode steps (optimistic)
+UNMEASURED_ROW = 0.25  # an unmeasured step's cost per extra row, in decode steps of one row (optimistic)
 
 
 @dataclass
@@ -46,18 +47,21 @@ class SpecState:
     rest: int = 0  # decode steps left without proposing
     proposer: dict = field(default_factory=dict)  # the proposer's per-request data
 
-    def k(self, max_k: int, costs: StepCosts | None = None) -> int:
-        """Tokens to propose this step (0: none); `costs`: the request decodes alone, pick the k of the
-        most tokens per second."""
+    def ready(self) -> bool:
+        """Whether the request proposes this step (False while it rests; each call is one step)."""
         if self.rest > 0:
             self.rest -= 1
-            return 0
-        if costs is not None:
-            k = costs.best_k(self.hit, max_k)
-            if k == 0:  # proposing costs more than it gains now: rest, then try again
-                self.rest, self.hit = REST, max(self.hit, TRY_AGAIN)
-            return k
+            return False
+        return True
+
+    def k(self, max_k: int) -> int:
+        """Tokens to propose from the acceptance alone (several ranks: no timings to go by)."""
         return max(1, min(max_k, round(max_k * self.acceptance)))
+
+    def pause(self) -> None:
+        """Proposing does not pay now: rest, then try again."""
+        self.rest = REST
+        self.hit, self.acceptance = max(self.hit, TRY_AGAIN), max(self.acceptance, TRY_AGAIN)
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -66,11 +70,12 @@ class SpecState:
         trials = accepted + (accepted < proposed)
         self.hit += SMOOTHING * (accepted / trials - self.hit)
         if self.acceptance < POOR:
-            self.rest, self.acceptance = REST, TRY_AGAIN
+            self.pause()
 
 
 class StepCosts:
-    """Seconds of a step of one request by its rows (1: decode), exponential averages of the steps run."""
+    """Seconds of a decode or verify step by its rows, exponential averages of the steps run while few
+    requests decode (the only steps that may speculate)."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
@@ -79,17 +84,20 @@ class StepCosts:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
 
-    def best_k(self, hit: float, max_k: int) -> int:
-        """The k whose expected tokens (1 + hit + hit^2 + ... + hit^k: the proposals accepted in a row,
-        then the target's own token) per second of its step of k + 1 rows is the largest. A row count not
-        measured yet is assumed cheap, so that it gets tried."""
-        decode = self.seconds.get(1)
+    def best_k(self, hits: list[float], n: int, max_k: int) -> int | None:
+        """For a step of n requests, `hits` those that may propose (their chance that a proposal after
+        accepted ones is accepted): the k of the most expected tokens per second, each proposing request
+        expecting 1 + h + ... + h^k over a step of n + k * len(hits) rows; 0 when a plain decode step is
+        best; None when a decode step of n rows was never timed (run one first). A row count not timed
+        yet is assumed cheap, so that it gets tried."""
+        decode = self.seconds.get(n)
         if decode is None:
-            return max_k
-        best, best_rate, tokens = 0, 1.0 / decode, 1.0
+            return None
+        best, best_rate, tokens = 0, n / decode, float(n)
         for k in range(1, max_k + 1):
-            tokens += hit**k
-            cost = self.seconds.get(k + 1, decode * (1 + UNMEASURED_ROW * k))
+            tokens += sum(h**k for h in hits)
+            rows = n + k * len(hits)
+            cost = self.seconds.get(rows, decode * (1 + UNMEASURED_ROW * (rows - n) / n))
             if tokens / cost > best_rate:
                 best, best_rate = k, tokens / cost
         return best
