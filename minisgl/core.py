@@ -278,6 +278,8 @@ class Req:
     # the first position it must compute itself (0 for mean and CLS pooling: no prefix from the cache)
     embedding: torch.Tensor | None = None
     embed_from: int = 1 << 62
+    # speculative decoding's state for this request (scheduler/speculative.py SpecState), None when off
+    spec: Any = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -341,6 +343,13 @@ class Batch:
     embed_rows: torch.Tensor | None = None
     embed_seg: torch.Tensor | None = None
     embed_reqs: list[int] | None = None
+    # a verify step (scheduler/speculative.py): a decode batch whose consecutive rows may share a request,
+    # row i checking the proposal `drafts[i]` (-1: the request's last row, nothing to check). On the
+    # device: the proposals per row (-1 none), and (rows, positions, ids) that put them into the token
+    # pool, where the next rows read their input tokens
+    drafts: list[int] | None = None
+    draft_ids: torch.Tensor | None = None
+    draft_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.phase = Phase(self.phase)

@@ -241,3 +241,24 @@ def test_two_nodes_of_one_rank_each_equal_tp1(tp_models, tmp_path):
         if node1.poll() is None:
             node1.kill()
         node1.stdout.close()
+
+
+def test_tp2_with_speculation_equals_tp1_one_request_and_batched(tp_models):
+    """n-gram speculation on two ranks: both make the same proposals and keep the same tokens (a lone
+    request's k does not depend on timings there), equal to TP=1 without speculation."""
+    vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
+    base = random_prompt(6, vocab, seed=21)
+    prompts = [base * 3 + base[:2], *_prompts(vocab)[0][:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with make_llm(tp_models["qwen3"], **tiny_llm_kwargs()) as llm:
+        expected = [llm.generate([p], params)[0]["token_ids"] for p in prompts]
+    spec = {"speculative": "ngram", "num_speculative_tokens": 4}
+    with make_llm(tp_models["qwen3"], **tiny_llm_kwargs(tp_size=2), **spec) as llm:
+        alone = [llm.generate([p], params)[0]["token_ids"] for p in prompts]
+        batched = [o["token_ids"] for o in llm.generate(prompts, params)]
+        assert llm.stats()["spec_accepted_tokens"] > 0
+        states = llm.rank_states()
+    assert alone == expected and batched == expected
+    for s in states:
+        assert s["integrity_error"] is None
+        assert s["free_pages"] + s["cached_pages"] == s["total_pages"]

@@ -691,6 +691,24 @@ def test_llm_with_triton_attention_and_decode_graphs_equals_hf(tiny_model_dirs, 
         assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "triton attention + graphs")
 
 
+def test_llm_verify_steps_with_triton_attention_equal_hf(tiny_model_dirs, hf_reference):
+    """Speculative decoding through the Triton backend: a verify step's rows of one request store their
+    K/V before the decode kernel attends (the extend plan), between decode steps replayed through the
+    (emulated) graphs; Hugging Face's greedy tokens."""
+    from helpers import TINY_SPECS, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
+
+    vocab = TINY_SPECS["qwen3"].config_kwargs["vocab_size"]
+    base = random_prompt(5, vocab, 9)
+    prompts = [base * 3 + base[:2], random_prompt(12, vocab, 10)]
+    kwargs = tiny_llm_kwargs(attn="triton", page_size=4, cuda_graph_max_bs=4, max_prefill_length=16)
+    with make_llm(tiny_model_dirs["qwen3"], **kwargs, speculative="ngram", num_speculative_tokens=3) as llm:
+        llm.scheduler.step_costs.best_k = lambda hits, n, max_k: max_k  # verify whatever the timings
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+        assert llm.stats()["spec_verify_steps"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], hf_reference("qwen3"), prompt, "triton verify steps")
+
+
 @pytest.mark.parametrize("arch", ["llama3_rope", "qwen2", "qwen3"])  # rope scaling, QKV bias, q/k norm
 def test_llm_with_the_layer_kernel_equals_hf(arch, tiny_model_dirs, hf_reference, monkeypatch):
     """One request at a time, so every decode step runs each layer as one layer-kernel launch (its stages

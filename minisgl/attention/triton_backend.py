@@ -156,6 +156,8 @@ class TritonAttnBackend(BaseAttnBackend):
             merge_in_o_proj=one and num_splits > 1,
             whole_layer=one and self.layer_kernel,
         )
+        if batch.drafts is not None:  # a verify step: rows of one request read each other's new K/V, so
+            plan = _EXTEND_PLAN  # every row stores before any attends (not inside the attention kernel)
         tile = self.decode_tile(batch.size)
         return TritonDecodeMetadata(batch.table_idx, batch.seq_lens_t, num_splits, mid_o, mid_lse, plan, tile)
 

@@ -346,6 +346,9 @@ class Engine:
         the previous step wrote them. Inside the decode graphs, so a replay does it too."""
         rows, pos, slots = batch.pt_writes or (batch.table_idx, batch.positions, batch.out_loc)
         self.page_table[rows, pos] = slots
+        if batch.draft_writes is not None:  # a verify step: the proposals are its later rows' inputs
+            rows, pos, ids = batch.draft_writes
+            self.token_pool[rows, pos] = ids
         if batch.is_decode:
             batch.input_ids = self.token_pool[batch.table_idx, batch.positions]
 
@@ -427,7 +430,10 @@ class Engine:
     def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         if batch.is_prefill:  # its rows sample for the first time since admission: their tokens so far
             self.sampler.load_history(batch.sampling_info)  # enter the token pool, if penalties read them
-        next_tokens = self.sampler.sample(logits, batch.sampling_info)
+        if batch.draft_ids is not None:  # a verify step: each row's token given the proposal it checks
+            next_tokens = self.sampler.verify(logits, batch.sampling_info, batch.draft_ids)
+        else:
+            next_tokens = self.sampler.sample(logits, batch.sampling_info)
         self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
         return next_tokens
 

@@ -173,8 +173,16 @@ def sample(logits: torch.Tensor, rows) -> torch.Tensor:
     top-k and top-p (over what min-p and top-k keep, renormalised), as vLLM orders them. A threshold keeps
     every token tied with the last one kept. The draw is argmax(p / E) over the kept tokens, E from
     exponential_noise: the same formula as the Triton kernel. `rows` is a kernel.SamplingRows."""
+    e, keep, greedy = _weights(logits, rows)
+    k0, k1 = noise_keys(rows.seed, rows.counter, rows.step_seed)
+    score = torch.where(keep, e / exponential_noise(k0, k1, e.shape[-1]), -1.0)
+    return torch.where(rows.temperature > 0, score.argmax(dim=-1), greedy).to(torch.int32)
+
+
+def _weights(logits: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each token's unnormalised probability [S, V] at the row's temperature, the tokens min-p, top-k and
+    top-p keep [S, V], the greedy token [S]): the distribution `sample` draws from is e over `keep`."""
     x = logits.float()
-    vocab = x.shape[-1]
     m, greedy = x.max(dim=-1)
     t = torch.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     e = torch.exp((x - m[:, None]) * (1.0 / t))  # as the kernel rounds it
@@ -182,9 +190,31 @@ def sample(logits: torch.Tensor, rows) -> torch.Tensor:
     keep = (x > float("-inf")) & (x >= floor)
     if rows.has_top_k or rows.has_top_p:
         keep = keep & _top_k_top_p(x, e, keep, rows)
+    return e, keep, greedy
+
+
+ACCEPT_SALT = 0x2545F491  # separates a row's acceptance draw from its exponential noise
+
+
+def speculative_sample(logits: torch.Tensor, rows, drafts: torch.Tensor) -> torch.Tensor:
+    """Token ids [S] int32 of rows that check a proposed token `drafts` [S] (-1: none), distributed as
+    `sample`'s: the proposal (a point mass) is kept with probability p(draft); otherwise the token is drawn
+    from p with the draft removed and renormalised. P(t) = p(d) [t = d] + (1 - p(d)) p(t) / (1 - p(d)) for
+    t != d, which is p(t): the rejection scheme of speculative sampling with q a point mass. A greedy row
+    takes its argmax, as `sample`. The draws are keyed as `sample`'s (a seeded row's by seed and position)."""
+    e, keep, greedy = _weights(logits, rows)
+    has = drafts >= 0
+    d = drafts.clamp_min(0).long()[:, None]
+    w = torch.where(keep, e, 0.0)
+    total, w_d = w.sum(dim=-1), w.gather(1, d)[:, 0]
     k0, k1 = noise_keys(rows.seed, rows.counter, rows.step_seed)
-    score = torch.where(keep, e / exponential_noise(k0, k1, vocab), -1.0)
-    return torch.where(rows.temperature > 0, score.argmax(dim=-1), greedy).to(torch.int32)
+    u = (mix32(mix32(k0 ^ ACCEPT_SALT) ^ k1).to(torch.float64) + 0.5) * 2.0**-32
+    # kept with probability w_d / total; always when nothing else is left to draw
+    accept = has & ((u * total.double() < w_d.double()) | (total - w_d <= 0))
+    keep = keep & ~(has[:, None] & (torch.arange(e.shape[-1], device=e.device)[None, :] == d))
+    score = torch.where(keep, e / exponential_noise(k0, k1, e.shape[-1]), -1.0)
+    drawn = torch.where(accept, d[:, 0], score.argmax(dim=-1))
+    return torch.where(rows.temperature > 0, drawn, greedy).to(torch.int32)
 
 
 def _top_k_top_p(x: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, rows) -> torch.Tensor:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from minisgl.engine.config import EngineConfig
 from minisgl.grammar import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT
 from minisgl.kvcache import PREFIX_CACHES
-from minisgl.utils.options import option
+from minisgl.utils.options import OptionError, option
+
+MAX_SPECULATIVE_TOKENS = 16  # rows a verify step gives one request beyond its own
 
 
 def _on_off(text: str) -> bool:
@@ -40,4 +42,35 @@ class SchedulerConfig(EngineConfig):
         help="MiB of compiled constraints kept for reuse; one that alone needs more is a 400 naming its field",
         min=1,
     )
+    speculative: str | None = option(
+        None,
+        help="speculative decoding: ngram proposes the tokens that followed the latest n-gram earlier in "
+        "the prompt or output; the model verifies them in one step (greedy and sampled output unchanged)",
+        choices=["ngram"],
+    )
+    num_speculative_tokens: int = option(
+        4, help="most tokens proposed for one request a step, at most 16 (adapts per request below it)", min=1
+    )
+    speculative_ngram_min: int = option(1, help="shortest n-gram the ngram proposer matches", min=1)
+    speculative_ngram_max: int = option(4, help="longest n-gram the ngram proposer matches", min=1)
+    speculative_max_batch: int = option(
+        8,
+        help="speculate only while at most this many requests decode (larger batches are compute-bound: "
+        "verifying proposals would cost more than it saves)",
+        min=1,
+    )
     extra_eos_token_ids: list[int] = field(default_factory=list)  # the launcher adds the tokenizer's EOS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise OptionError(
+                "num_speculative_tokens",
+                f"must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+            )
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise OptionError(
+                "speculative_ngram_min",
+                f"must be <= --speculative-ngram-max {self.speculative_ngram_max}, "
+                f"got {self.speculative_ngram_min}",
+            )

@@ -31,7 +31,8 @@ from .config import SchedulerConfig
 from .decode import DecodeManager
 from .grammar import GrammarManager
 from .pacing import PrefillPacer, attention_ratio
-from .prefill import PrefillManager, PrefillPlan
+from .prefill import PrefillManager, PrefillPlan, pages_for
+from .speculative import SpecState, StepCosts, create_proposer
 from .table import TableManager
 
 logger = init_logger(__name__)
@@ -99,6 +100,13 @@ class Scheduler:
         self.pacer = PrefillPacer(attention_ratio(self.engine.model_config)) if cpu else None
         self._paced = False  # the batch being launched is a prefill step the pacer sized
         self.num_retractions = 0
+        self.proposer = None  # speculative decoding (scheduler/speculative.py), None when off
+        if config.speculative is not None:
+            self.proposer = create_proposer(
+                config.speculative, config.speculative_ngram_min, config.speculative_ngram_max
+            )
+        self.spec_proposed = self.spec_accepted = self.spec_steps = 0
+        self.step_costs = StepCosts()  # a lone request's steps by rows: what its k is chosen from
         self.last_batch_size = 0
         self.max_batch_size = 0
         self.num_total_pages = self.engine.num_pages
@@ -201,6 +209,11 @@ class Scheduler:
         out = fwd = None
         if batch is not None and batch.grammar_rows is not None:
             fwd = self._launch_forward(batch)  # its masks need the tokens of the step in flight
+        elif batch is not None and self._times_steps(batch):
+            start = time.perf_counter()
+            out = self._launch(batch)
+            out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
+            self.step_costs.add(batch.size, time.perf_counter() - start)
         elif batch is not None:
             out = self._launch(batch)
         results, self._pending_outputs = self._pending_outputs, []
@@ -212,11 +225,21 @@ class Scheduler:
         if batch is None and not results and self.grammar.compiling:
             self.grammar.wait(0.05)  # nothing to run until a grammar is compiled: do not spin
         if out is not None:
-            if self.overlap:
+            if self.overlap and batch.drafts is None:  # a verify step's outcome decides the next step
                 self._in_flight = (batch, out)
             else:
                 results += self._process(batch, out)
         return results
+
+    def _times_steps(self, batch: Batch) -> bool:
+        """A decode or verify step while speculation is possible: its cost by rows chooses k (StepCosts).
+        Not with several ranks: each would time its own steps, and they must all choose the same k."""
+        return (
+            self.proposer is not None
+            and self.config.tp_info.size == 1
+            and batch.is_decode
+            and len(self.decode.running) <= self.config.speculative_max_batch
+        )
 
     def _launch(self, batch: Batch) -> ForwardOutput:
         return self._on_engine_stream(batch, self.engine.forward_batch)
@@ -226,8 +249,9 @@ class Scheduler:
 
     def _on_engine_stream(self, batch: Batch, run: Callable[[Batch], Any]) -> Any:
         """Launch `run(batch)` on the engine's stream, after what the current stream prepared."""
-        self.last_batch_size = batch.size
-        self.max_batch_size = max(self.max_batch_size, batch.size)
+        size = batch.size if batch.drafts is None else batch.drafts.count(-1)  # requests, not rows
+        self.last_batch_size = size
+        self.max_batch_size = max(self.max_batch_size, size)
         self.stream.wait_stream(current_stream(self.device))
         paced, self._paced = self._paced, False
         start = time.perf_counter()
@@ -376,9 +400,15 @@ class Scheduler:
             batch.embed_reqs = reqs
 
     def _prepare_decode(self) -> Batch | None:
+        if self.proposer is not None and 0 < len(self.decode.running) <= self.config.speculative_max_batch:
+            self._drain()  # proposals need every request's latest token on the host
         reqs = self.decode.decodable()
         if not reqs:
             return None
+        if self.proposer is not None and len(reqs) <= self.config.speculative_max_batch:
+            batch = self._prepare_verify(reqs)
+            if batch is not None:
+                return batch
         ps = self.page_size
         while True:  # every request needs a page when its next position starts one
             short = [r for r in reqs if r.cached_len // ps >= len(r.pages)]
@@ -409,6 +439,70 @@ class Scheduler:
             r.device_len += 1
         return batch
 
+    def _prepare_verify(self, reqs: list[Req]) -> Batch | None:
+        """A verify step: each request's proposals in rows after its last token (scheduler/speculative.py).
+        None when no request has a proposal or the pool cannot hold them (a plain decode step then)."""
+        max_k = self.config.num_speculative_tokens
+        rooms = []
+        for r in reqs:
+            if r.spec is None:
+                r.spec = SpecState()
+            # no proposals under a grammar (the masks follow the matcher one token a step), nor beyond the
+            # request's last position
+            room = r.max_total_len - r.device_len - 1
+            rooms.append(room if r.grammar is None and room > 0 and r.spec.ready() else 0)
+        if self.config.tp_info.size > 1:
+            ks = [min(r.spec.k(max_k), room) for r, room in zip(reqs, rooms)]
+        else:  # the k of the most expected tokens per second of the step
+            k = self.step_costs.best_k([r.spec.hit for r, m in zip(reqs, rooms) if m], len(reqs), max_k)
+            if k == 0:
+                for r, m in zip(reqs, rooms):
+                    if m:
+                        r.spec.pause()
+            ks = [min(k or 0, room) for room in rooms]
+        drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
+        if not any(drafts):
+            return None
+        ps = self.page_size
+        need = [pages_for(r.cached_len + len(d) + 1, ps) - len(r.pages) for r, d in zip(reqs, drafts)]
+        pages = self.cache.alloc(sum(n for n in need if n > 0))
+        if pages is None:
+            return None  # no room for proposals: decode (which may retract) instead
+        for r, n in zip(reqs, need):
+            if n > 0:
+                r.pages += pages[:n]
+                del pages[:n]
+        order = sorted(range(len(reqs)), key=lambda i: reqs[i].cached_len, reverse=True)
+        rows: list[Req] = []
+        positions: list[int] = []
+        row_drafts: list[int] = []
+        for i in order:
+            r, d = reqs[i], drafts[i]
+            rows += [r] * (len(d) + 1)
+            positions += range(r.cached_len, r.cached_len + len(d) + 1)
+            row_drafts += [*d, -1]
+            r.table_len = r.cached_len + len(d) + 1
+        n = len(rows)
+        out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(rows, positions)]
+        batch = Batch(rows, Phase.DECODE, positions, [1] * n, [True] * n)
+        batch.drafts = row_drafts
+        # proposal i goes into the token pool at the position after its row, where row i + 1 reads it;
+        # a request's last row writes nothing (into the unused dummy row)
+        dummy = self.engine.dummy_row
+        has = [t >= 0 for t in row_drafts]
+        writes = (
+            [r.table_idx if h else dummy for r, h in zip(rows, has)],
+            [p + 1 if h else 0 for p, h in zip(positions, has)],
+            [t if h else 0 for t, h in zip(row_drafts, has)],
+            row_drafts,
+        )
+        self._to_device(batch, positions, out_loc, [p + 1 for p in positions], spec_parts=writes)
+        for r in reqs:  # the base row, as in decode; accepted proposals advance further when processed
+            r.cached_len += 1
+            r.device_len += 1
+        self.spec_steps += 1
+        return batch
+
     def _retract(self, req: Req) -> None:
         """Out of pages: send the newest request back to the queue, keeping its tokens. Its computed KV
         goes to the prefix cache, so resuming recomputes only what was evicted meanwhile."""
@@ -428,19 +522,26 @@ class Scheduler:
             req.table_idx, req.table_len = -1, 0
 
     def _to_device(
-        self, batch: Batch, positions, out_loc, sample_pos: list[int], prefill_parts: tuple | None = None
+        self,
+        batch: Batch,
+        positions,
+        out_loc,
+        sample_pos: list[int],
+        prefill_parts: tuple | None = None,
+        spec_parts: tuple | None = None,
     ) -> None:
         """Pack the step's integers (lists or int32 tensors) into one pinned buffer, copy it to the device
         in one go, and fill in the batch's device tensors. A prefill batch also brings `prefill_parts`:
         page-table (rows, positions, slots), sample rows, logits rows and input ids. A decode batch starts
         with its per-request rows in the decode graph's order (DECODE_INPUTS), equally long, so they form
         one [4, n] view for the graph runner; its page-table writes are (table_idx, positions, out_loc)
-        and its input ids come from the token pool, both done by the engine."""
+        and its input ids come from the token pool, both done by the engine. A verify step also brings
+        `spec_parts`: the token-pool (rows, positions, ids) of its proposals and each row's proposal."""
         table_idx = [r.table_idx for r in batch.reqs]
         rows = DECODE_INPUTS.ordered(
             positions=positions, out_loc=out_loc, table_idx=table_idx, seq_lens_t=batch.seq_lens
         )
-        parts = [*rows, sample_pos, *(prefill_parts or ())]
+        parts = [*rows, sample_pos, *(prefill_parts or ()), *(spec_parts or ())]
         # every part starts 16-byte aligned: Triton specialises kernels on pointer alignment, so a
         # part at a varying alignment would recompile kernels step after step
         dev, offsets = self._staging.pack(parts)
@@ -452,6 +553,9 @@ class Scheduler:
             n, m = batch.size, offsets[1]
             batch.graph_inputs = dev[: k * m].view(k, m)[:, :n]
             batch.sample_table_idx = batch.table_idx
+            if spec_parts is not None:
+                w_rows, w_pos, w_ids, batch.draft_ids = views[k + 1 :]
+                batch.draft_writes = (w_rows, w_pos, w_ids)
         else:
             pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[k + 1 :]
             batch.pt_writes = (pt_rows, pt_pos, pt_slots)
@@ -465,6 +569,8 @@ class Scheduler:
         out.wait()  # the only host synchronisation of a step
         tokens = out.next_tokens_host.tolist()
         logprobs = out.logprobs_host
+        if batch.drafts is not None:
+            return self._process_verify(batch, tokens, logprobs)
         if batch.prompt_counts is not None:
             self._collect_prompt_logprobs(batch, out.prompt_logprobs_host)
         for k, i in enumerate(batch.embed_reqs or []):
@@ -479,31 +585,67 @@ class Scheduler:
             j += 1
             if req.finished:  # finished or aborted after this step was launched: discard
                 continue
-            token = tokens[j]
-            if req.sampling_params.max_tokens == 0:  # an embedding, or only the prompt's log-probabilities
-                token, finish, error = -1, FinishReason.LENGTH, None
-            else:
-                req.token_ids.append(token)
-                finish, error = self._grammar_finish(req, token) if req.grammar is not None else (None, None)
-                finish = finish or self._finish_reason(req, token)
-            res = StepOutput(req.uid, token, finish is not None, finish, cached_tokens=req.cached_prompt_len)
-            res.error = error
-            if req.prompt_logprobs is not None and len(req.token_ids) <= req.prompt_len + 1:
-                res.prompt_logprobs = req.prompt_logprobs  # with the request's first output
-            if req.sampling_params.embed and req.embedding is not None:
-                res.embedding = self._pooled(req)
-            if logprobs is not None and req.sampling_params.logprobs:
-                res.logprob = float(logprobs[0][j])
-                k = req.sampling_params.top_logprobs
-                if k and logprobs[1] is not None:
-                    res.top_logprobs = list(zip(logprobs[2][j, :k].tolist(), logprobs[1][j, :k].tolist()))
-            results.append(res)
-            if finish is not None:
-                req.finished, req.finish_reason = True, finish
-                self.decode.remove(req)
-                self._release(req)
-                self.grammar.release(req)
-                self.reqs.pop(req.uid, None)
+            results.append(self._emit(req, tokens[j], j, logprobs))
+        return results
+
+    def _emit(self, req: Req, token: int, j: int, logprobs: tuple | None) -> StepOutput:
+        """Give req its sampled `token` (row j of the step's logprobs); end it if that finishes it."""
+        if req.sampling_params.max_tokens == 0:  # an embedding, or only the prompt's log-probabilities
+            token, finish, error = -1, FinishReason.LENGTH, None
+        else:
+            req.token_ids.append(token)
+            finish, error = self._grammar_finish(req, token) if req.grammar is not None else (None, None)
+            finish = finish or self._finish_reason(req, token)
+        res = StepOutput(req.uid, token, finish is not None, finish, cached_tokens=req.cached_prompt_len)
+        res.error = error
+        if req.prompt_logprobs is not None and len(req.token_ids) <= req.prompt_len + 1:
+            res.prompt_logprobs = req.prompt_logprobs  # with the request's first output
+        if req.sampling_params.embed and req.embedding is not None:
+            res.embedding = self._pooled(req)
+        if logprobs is not None and req.sampling_params.logprobs:
+            res.logprob = float(logprobs[0][j])
+            k = req.sampling_params.top_logprobs
+            if k and logprobs[1] is not None:
+                res.top_logprobs = list(zip(logprobs[2][j, :k].tolist(), logprobs[1][j, :k].tolist()))
+        if finish is not None:
+            req.finished, req.finish_reason = True, finish
+            self.decode.remove(req)
+            self._release(req)
+            self.grammar.release(req)
+            self.reqs.pop(req.uid, None)
+        return res
+
+    def _process_verify(self, batch: Batch, tokens: list[int], logprobs: tuple | None) -> list[StepOutput]:
+        """A verify step's rows, request by request: the tokens up to and including the first row whose
+        token differs from the proposal it checks (the last row checks none). Each agreeing row makes its
+        proposal's KV valid; the pages past the request's valid KV go back to the pool."""
+        assert batch.drafts is not None
+        drafts, reqs, n = batch.drafts, batch.reqs, len(tokens)
+        results: list[StepOutput] = []
+        i = 0
+        while i < n:
+            req, start = reqs[i], i
+            while drafts[i] >= 0:  # a request's rows end with the one that checks nothing
+                i += 1
+            end, i = i, i + 1
+            if req.finished:  # aborted since: its rows are discarded
+                continue
+            accepted = 0
+            for row in range(start, end + 1):
+                res = self._emit(req, tokens[row], row, logprobs)
+                results.append(res)
+                if res.finished or tokens[row] != drafts[row]:
+                    break
+                accepted += 1  # the proposal is the token: its KV (row + 1's input) is valid
+                req.cached_len += 1
+                req.device_len += 1
+            self.spec_proposed += end - start
+            self.spec_accepted += accepted
+            req.spec.update(end - start, accepted)
+            if not req.finished:
+                keep = pages_for(req.cached_len, self.page_size)
+                self.cache.free(req.pages[keep:])
+                del req.pages[keep:]
         return results
 
     def _pooled(self, req: Req) -> list[float]:
@@ -565,6 +707,9 @@ class Scheduler:
             num_retractions=self.num_retractions,
             last_batch_size=self.last_batch_size,
             max_batch_size=self.max_batch_size,
+            spec_proposed_tokens=self.spec_proposed,
+            spec_accepted_tokens=self.spec_accepted,
+            spec_verify_steps=self.spec_steps,
         )
         return s
 

@@ -52,6 +52,9 @@ class Metrics:
             "Seconds from requests' arrival at the scheduler to their first token, summed",
         ),
         "first_token_count": ("scheduler_first_token_count", "Requests whose first token the scheduler sent"),
+        "spec_proposed_tokens": ("spec_proposed_tokens", "Speculative tokens proposed for verification"),
+        "spec_accepted_tokens": ("spec_accepted_tokens", "Speculative tokens the target model accepted"),
+        "spec_verify_steps": ("spec_verify_steps", "Verify steps run (decode steps with proposals)"),
     }
 
     # the same numbers under the names gateways scrape: the Kubernetes Gateway API inference extension's
@@ -117,6 +120,12 @@ class Metrics:
             registry=r,
             **latest,
         )
+        self.spec_acceptance = Gauge(
+            "minisgl_spec_acceptance_rate",
+            "Fraction of speculative tokens accepted so far",
+            registry=r,
+            **latest,
+        )
         self.gateway = {
             name: Gauge(name, doc, registry=r, **latest) for name, (_, doc) in self.GATEWAY_NAMES.items()
         }
@@ -129,6 +138,8 @@ class Metrics:
             self.kv_usage.set(stats.get("kv_used_pages", 0) / stats["kv_total_pages"])
         if stats.get("prompt_tokens"):
             self.hit_rate.set(stats.get("cached_prompt_tokens", 0) / stats["prompt_tokens"])
+        if stats.get("spec_proposed_tokens"):
+            self.spec_acceptance.set(stats.get("spec_accepted_tokens", 0) / stats["spec_proposed_tokens"])
         derived = self._derived(stats)
         for name, (quantity, _) in self.GATEWAY_NAMES.items():
             if quantity in derived:

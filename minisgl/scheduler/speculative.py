@@ -1,0 +1,155 @@
+"""Speculative decoding: proposers guess the tokens that follow a request, the target model checks them.
+
+A proposer suggests up to k tokens per request (`Proposer.propose`); the scheduler verifies them in one
+decode step over k + 1 rows per request (scheduler.py `_prepare_decode`): row i computes position
+`cached_len + i`, its input the request's last token (i = 0) or proposal i, so it yields the target's token
+after proposal i. Rows of one request share its page-table row; each writes its own KV slot before any row
+attends, so row i sees the proposals before it as a prefill would. The engine samples each row from the
+target's processed distribution (greedy: its argmax; sampled: the rejection scheme of
+kernel/reference.py `speculative_sample`), and the request keeps the longest run of proposals the rows
+agree with plus the next row's token; the KV of the rest is overwritten later, their extra pages freed.
+
+A new proposer (a draft model, an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`.
+Each request's k adapts to how often its proposals were accepted (`SpecState`): a request whose proposals
+keep failing stops proposing for a while, so it costs nothing more than a decode step. With one rank, k
+is the one that maximises the step's expected tokens per second, from the requests' acceptance and the
+measured cost of a step by its rows (`StepCosts`): on a CPU a verify row costs a fraction of a decode
+step that jumps where the kernels change their tiling, and a batch of several requests pays for every
+row, so the best k is not simply the largest."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minisgl.core import Req
+
+# adaptive k: acceptance is an exponential average over verify steps; below POOR the request rests for
+# REST steps (proposes nothing), then tries again from TRY_AGAIN
+SMOOTHING = 0.3
+POOR, REST, TRY_AGAIN = 0.15, 16, 0.4
+
+
+COST_SMOOTHING = 0.2
+UNMEASURED_ROW = 0.25  # an unmeasured step's cost per extra row, in decode steps of one row (optimistic)
+
+
+@dataclass
+class SpecState:
+    """One request's speculation state, kept on `Req.spec`: the proposer's own state and the adaptive k."""
+
+    acceptance: float = 1.0  # exponential average of accepted / proposed
+    # exponential average of the chance that a proposal is accepted given the ones before it were (each
+    # verify step is a run of accepted proposals ended by a rejection or by the last one)
+    hit: float = 0.8
+    rest: int = 0  # decode steps left without proposing
+    proposer: dict = field(default_factory=dict)  # the proposer's per-request data
+
+    def ready(self) -> bool:
+        """Whether the request proposes this step (False while it rests; each call is one step)."""
+        if self.rest > 0:
+            self.rest -= 1
+            return False
+        return True
+
+    def k(self, max_k: int) -> int:
+        """Tokens to propose from the acceptance alone (several ranks: no timings to go by)."""
+        return max(1, min(max_k, round(max_k * self.acceptance)))
+
+    def pause(self) -> None:
+        """Proposing does not pay now: rest, then try again."""
+        self.rest = REST
+        self.hit, self.acceptance = max(self.hit, TRY_AGAIN), max(self.acceptance, TRY_AGAIN)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.acceptance += SMOOTHING * (accepted / proposed - self.acceptance)
+        trials = accepted + (accepted < proposed)
+        self.hit += SMOOTHING * (accepted / trials - self.hit)
+        if self.acceptance < POOR:
+            self.pause()
+
+
+class StepCosts:
+    """Seconds of a decode or verify step by its rows, exponential averages of the steps run while few
+    requests decode (the only steps that may speculate)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def add(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
+
+    def best_k(self, hits: list[float], n: int, max_k: int) -> int | None:
+        """For a step of n requests, `hits` those that may propose (their chance that a proposal after
+        accepted ones is accepted): the k of the most expected tokens per second, each proposing request
+        expecting 1 + h + ... + h^k over a step of n + k * len(hits) rows; 0 when a plain decode step is
+        best; None when a decode step of n rows was never timed (run one first). A row count not timed
+        yet is assumed cheap, so that it gets tried."""
+        decode = self.seconds.get(n)
+        if decode is None:
+            return None
+        best, best_rate, tokens = 0, n / decode, float(n)
+        for k in range(1, max_k + 1):
+            tokens += sum(h**k for h in hits)
+            rows = n + k * len(hits)
+            cost = self.seconds.get(rows, decode * (1 + UNMEASURED_ROW * (rows - n) / n))
+            if tokens / cost > best_rate:
+                best, best_rate = k, tokens / cost
+        return best
+
+
+class Proposer(ABC):
+    """Proposes the tokens that may follow each request's known tokens (prompt and output so far)."""
+
+    @abstractmethod
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        """At most ks[i] tokens for reqs[i] (fewer, or none, where it has no guess)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest n-gram of the request earlier in its tokens (longest n first, from
+    `max_n` down to `min_n`) and propose the tokens that followed it there. An index per request maps each
+    n-gram to where it last ended; it grows with the tokens, so a step costs O(new tokens), not O(length)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        return [self._one(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+    def _one(self, req: Req, k: int) -> list[int]:
+        toks = req.token_ids
+        n_tok = len(toks)
+        data = req.spec.proposer
+        index: dict[tuple[int, ...], int] = data.setdefault("index", {})
+        # index the n-grams ending before the last token: each has a following token to propose
+        for end in range(data.get("upto", 0), n_tok):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                index[tuple(toks[end - n : end])] = end
+        data["upto"] = n_tok
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            end = index.get(tuple(toks[n_tok - n :]))
+            if end is None or end >= n_tok:
+                continue
+            # the continuation; past the known tokens it repeats the match's period (a loop continues)
+            out: list[int] = []
+            for i in range(k):
+                j = end + i
+                out.append(toks[j] if j < n_tok else out[j - n_tok])
+            return out
+        return []
+
+
+PROPOSERS = {"ngram": NgramProposer}
+
+
+def create_proposer(name: str, min_n: int, max_n: int) -> Proposer:
+    if name not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {name!r}; there are: {', '.join(PROPOSERS)}")
+    return PROPOSERS[name](min_n, max_n)
