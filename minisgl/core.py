@@ -84,7 +84,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this once the token occurs in the output
     repetition_penalty: float = 1.0  # vLLM/HF, over prompt + output: > 1 discourages repeats; 1 is off
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits
-    # constrained decoding (at most one; minisgl/grammar.py): the output must match it, and the request
+    # constrained decoding (at most one; minisgl/grammar/): the output must match it, and the request
     # stops ("stop") once it is complete
     json_schema: str | None = None  # a JSON Schema as JSON text (a dict is accepted and dumped)
     regex: str | None = None
@@ -328,7 +328,7 @@ class Batch:
     sample_pos: torch.Tensor | None = None  # [num_sampled] position of the sampled token
     sampling_info: Any = None  # engine/sampler.py SamplingInfo
     # the sampled rows (indices among them) under a grammar; their token masks are filled just before
-    # sampling (minisgl/grammar.py). None: no constrained row, the plain path
+    # sampling (minisgl/grammar/). None: no constrained row, the plain path
     grammar_rows: list[int] | None = None
     padded_size: int = 0  # batch size after padding for a CUDA graph (decode only)
     # prompt log-probabilities (SamplingParams.prompt_logprobs): the flat rows whose logits are reduced to

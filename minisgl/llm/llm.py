@@ -130,7 +130,7 @@ class LLM:
         are); `max_tokens=0` then generates nothing.
 
         A SamplingParams with `json_schema`, `regex`, `ebnf` or `structural_tag` constrains its output
-        (minisgl/grammar.py): it ends with "stop" once the constraint is complete.
+        (minisgl/grammar/): it ends with "stop" once the constraint is complete.
 
         A bad request raises InvalidRequest (a ValueError) naming the field, with the service's rules and
         messages: a prompt plus `max_tokens` beyond the maximum sequence length is rejected, and

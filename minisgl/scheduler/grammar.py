@@ -1,7 +1,7 @@
 """GrammarManager: the requests whose grammar is compiling, and the token masks of a step's constrained rows.
 
 A constrained request waits here, out of the prefill queue, while a compile process compiles its grammar
-(minisgl/grammar.py, within --grammar-compile-timeout); the requests behind it are admitted meanwhile.
+(minisgl/grammar/, within --grammar-compile-timeout); the requests behind it are admitted meanwhile.
 Once compiled it gets its matcher and joins the queue; a grammar that fails to compile ends its request
 with an error (a 400 naming the field when the constraint is at fault)."""
 

@@ -3,7 +3,7 @@
 
 A constraint's length and nesting depth are measured without recursion before a JSON string is parsed,
 then it gets the bounds of the body itself (`check_json`). Nothing here runs xgrammar: the scheduler's
-compile processes parse and compile it (minisgl/grammar.py), within a time and a byte budget, and their
+compile processes parse and compile it (minisgl/grammar/), within a time and a byte budget, and their
 errors (not a valid schema, over a budget, no output possible) name the request's field through
 `FieldNames.constraint`. `json_object` is the JSON Schema `{"type": "object"}` rather than xgrammar's built-in JSON
 grammar: OpenAI's JSON mode promises an object (the built-in grammar also allows arrays and scalars), and

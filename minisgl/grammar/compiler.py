@@ -1,28 +1,11 @@
-"""Constrained decoding with xgrammar: checking a request's constraint, compiling it off the scheduler's
-critical path, and the per-step token masks.
-
-A request sets at most one of SamplingParams' `json_schema`, `regex`, `ebnf`, `structural_tag`.
-`check_grammar` parses it (no tokenizer needed: the service's tokenizer process and `LLM.generate` call it,
-so a bad constraint is refused before it reaches the scheduler). The scheduler compiles it against the
-model's vocabulary on a worker thread (`GrammarCompiler`, one compilation per distinct constraint) and
-gives the request a matcher (`new_matcher`), advanced with every token the request keeps. Each step,
-`TokenMasks.fill` writes the allowed-token bitmask of the batch's constrained rows on the host and copies
-it to the device; `apply_token_mask` sets the other logits of those rows to -inf before sampling.
-
-JSON schemas compile with `any_whitespace=False` and the separators ", " and ": ": a model may put no
-whitespace of its own choosing between the tokens, so a weak (or random) model cannot loop on spaces and
-newlines, and the output reads as `json.dumps` writes it.
-
-xgrammar is imported on first use: a process that never sees a constraint never loads it."""
+"""Compiling constraints against the model's vocabulary in a few killable worker processes, each compile
+within a budget of CPU time, the compiled grammars cached within a budget of bytes."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import multiprocessing as mp
 import os
-import re
 import signal
 import tempfile
 import threading
@@ -32,25 +15,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
-import torch
 
-from minisgl.core import InvalidRequest, Req, SamplingParams
+from minisgl.core import InvalidRequest
 from minisgl.utils import init_logger
-from minisgl.utils.device import HostRing
 from minisgl.utils.hf import load_tokenizer
-
-if TYPE_CHECKING:
-    import xgrammar
 
 logger = init_logger(__name__)
 
-JSON_SEPARATORS = (", ", ": ")
-MAX_GRAMMAR_CHARS = 1 << 20  # a constraint's text; far beyond any real schema or grammar
-MAX_NESTING = 40  # brackets in a constraint's text: a body's 32 levels, and a forced tool call's wrapping
-MAX_CHECKED = 256  # constraints remembered as parsed (by their hash)
+from .checks import MAX_CHECKED, WHAT, constraint_digest, detail, load_xgrammar, parse_grammar
+
 DEFAULT_COMPILE_TIMEOUT = 20.0  # seconds one constraint may take to compile (--grammar-compile-timeout)
 DEFAULT_CACHE_MB = 256  # compiled grammars kept, in MiB of token tables (--grammar-cache-mb)
 COMPILE_PROCESSES = 2  # compile workers: a slow compile leaves the other free for everyone else
@@ -62,114 +38,6 @@ COMPILE_NICENESS = 10  # the compile processes' priority below the scheduler's
 # in wall time ends it whatever its CPU time
 WALL_BUDGETS = 3
 POLL_S = 0.02  # the compile dispatcher's wake-up when nothing arrives
-BATCH_FILL_MIN = 8  # constrained rows from which a GPU step fills their masks on several threads
-_WHAT = {
-    "json_schema": "JSON schema",
-    "regex": "regular expression",
-    "ebnf": "EBNF grammar (with a 'root' rule)",
-    "structural_tag": "structural tag",
-}
-
-
-def _xgr() -> Any:
-    try:
-        import xgrammar
-    except ImportError as e:
-        raise ImportError(
-            "structured output needs xgrammar: pip install 'xgrammar>=0.2' (the `grammar` extra; ./run "
-            "installs it)"
-        ) from e
-    return xgrammar
-
-
-def parse_grammar(kind: str, text: str) -> xgrammar.Grammar:
-    """The xgrammar Grammar of one constraint (kind: a SamplingParams field name); raises on bad text."""
-    xgr = _xgr()
-    if kind == "json_schema":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    if kind == "ebnf":
-        return xgr.Grammar.from_ebnf(text)
-    if kind == "structural_tag":
-        return xgr.Grammar.from_structural_tag(text)
-    raise ValueError(f"unknown constraint kind {kind!r}")
-
-
-# what a nesting scan skips: JSON strings; in a regex or EBNF grammar escapes, character classes, literals
-_OPAQUE = {
-    "json": re.compile(r'"(?:[^"\\]|\\.)*"'),
-    "text": re.compile(r'\\.|\[(?:\\.|[^\]\\])*\]|"(?:[^"\\]|\\.)*"'),
-}
-_OPEN, _CLOSE = frozenset("[{("), frozenset("]})")
-
-
-def nesting_depth(kind: str, text: str) -> int:
-    """How deep the brackets of a constraint's text nest, found without recursion (the parsers that read
-    it next recurse once per level: too deep a text would exhaust their stack)."""
-    skeleton = _OPAQUE["json" if kind in ("json_schema", "structural_tag") else "text"].sub("", text)
-    depth = deepest = 0
-    for c in re.sub(r"[^\[\]{}()]", "", skeleton):
-        depth += 1 if c in _OPEN else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def check_size(kind: str, text: str, param: str | None = None) -> None:
-    """Bound a constraint's text before anything parses it: its length and its nesting depth (iterative,
-    so a schema of arrays nested 1,000 deep is a 400, not a RecursionError). `param`: the name an error
-    gives the field (default: `kind`)."""
-    param = param or kind
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise InvalidRequest(f"'{param}' holds {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", param)
-    depth = nesting_depth(kind, text)
-    if depth > MAX_NESTING:
-        raise InvalidRequest(f"'{param}' nests {depth} levels deep; at most {MAX_NESTING}", param)
-
-
-def _detail(e: Exception) -> str:
-    """xgrammar's error, on one line, without its time and source-file prefix."""
-    text = " ".join(str(e).split())
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:300] or type(e).__name__
-
-
-def _digest(kind: str, text: str) -> bytes:
-    return hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).digest()
-
-
-_checked: OrderedDict[bytes, None] = OrderedDict()  # digests of constraints that parsed (clients repeat them)
-
-
-def check_grammar(params: SamplingParams, parse: bool = True) -> None:
-    """Check the request's constraint, if any: its type, size and nesting (`check_size`), a JSON one's
-    syntax, and (`parse`) whether xgrammar parses it; raise InvalidRequest naming the field (`json_schema`,
-    `regex`, `ebnf`, `structural_tag`) when it is not valid. The service leaves the parse to its compile
-    processes (xgrammar's warnings on a large schema would flood its log otherwise)."""
-    params.validate()
-    grammar = params.grammar
-    if grammar is None:
-        return
-    kind, text = grammar
-    digest = _digest(kind, text)
-    if digest in _checked:
-        return
-    check_size(kind, text)
-    if kind in ("json_schema", "structural_tag"):
-        try:
-            value = json.loads(text)  # safe: the depth is bounded
-        except ValueError as e:
-            raise InvalidRequest(f"'{kind}' is not valid JSON: {e}", kind) from None
-        if not isinstance(value, (dict, bool) if kind == "json_schema" else dict):
-            raise InvalidRequest(f"'{kind}' must be a JSON object, got {type(value).__name__}", kind)
-    if not parse:
-        return
-    try:
-        parse_grammar(kind, text)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own types
-        raise InvalidRequest(f"'{kind}' is not a valid {_WHAT[kind]}: {_detail(e)}", kind) from None
-    if len(_checked) >= MAX_CHECKED:
-        _checked.popitem(last=False)
-    _checked[digest] = None
 
 
 class GrammarCompiler:
@@ -217,7 +85,7 @@ class GrammarCompiler:
         constraint shares its compile and its cache entry."""
         key = (kind, text)
         with self._lock:
-            refused = self._refused.get(_digest(kind, text))
+            refused = self._refused.get(constraint_digest(kind, text))
             if refused is not None:  # a client repeating a constraint that timed out does not retry it
                 future = Future()
                 future.set_exception(refused)
@@ -259,7 +127,7 @@ class GrammarCompiler:
 
     def _run(self) -> None:
         try:
-            self._info = _xgr().TokenizerInfo.from_huggingface(
+            self._info = load_xgrammar().TokenizerInfo.from_huggingface(
                 load_tokenizer(self.tokenizer_path),
                 vocab_size=self.vocab_size,
                 stop_token_ids=sorted(self._stop_ids()),
@@ -320,7 +188,7 @@ class GrammarCompiler:
             kind = job.key[0]
             self._finish(job, error=self._refuse(job.key, f"'{kind}' {payload}"))
             return
-        compiled = _xgr().CompiledGrammar.deserialize_json(payload, self._info)
+        compiled = load_xgrammar().CompiledGrammar.deserialize_json(payload, self._info)
         self._finish(job, compiled)
 
     def _expire(self) -> None:
@@ -344,7 +212,7 @@ class GrammarCompiler:
     def _refuse(self, key: tuple[str, str], message: str) -> InvalidRequest:
         error = InvalidRequest(message, key[0])
         with self._lock:
-            self._refused[_digest(*key)] = error
+            self._refused[constraint_digest(*key)] = error
             if len(self._refused) > MAX_CHECKED:
                 self._refused.popitem(last=False)
         return error
@@ -454,7 +322,7 @@ def _compile_process(info_json: str, conn: Any, parent_pid: int) -> None:
     # of 3,000 such properties): they go to a file here, and the scheduler logs one line per compile
     warnings = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - open for the process's whole life
     os.dup2(warnings.fileno(), 2)
-    xgr = _xgr()
+    xgr = load_xgrammar()
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     while True:
@@ -467,7 +335,7 @@ def _compile_process(info_json: str, conn: Any, parent_pid: int) -> None:
         except _Refused as e:
             reply = ("refused", str(e))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own types
-            reply = ("refused", f"is not a valid {_WHAT[kind]}: {_detail(e)}")
+            reply = ("refused", f"is not a valid {WHAT[kind]}: {detail(e)}")
         conn.send((*reply, _take_lines(warnings)))
 
 
@@ -477,7 +345,7 @@ def _take_lines(f: Any) -> tuple[int, str]:
     lines = f.read().decode("utf-8", "replace").splitlines()
     f.seek(0)
     f.truncate()
-    return len(lines), _detail(Exception(lines[0])) if lines else ""
+    return len(lines), detail(Exception(lines[0])) if lines else ""
 
 
 class _Refused(Exception):
@@ -485,7 +353,7 @@ class _Refused(Exception):
 
 
 def _compile_checked(compiler: Any, info: Any, kind: str, text: str, max_bytes: int) -> str:
-    xgr = _xgr()
+    xgr = load_xgrammar()
     compiled = compiler.compile_grammar(parse_grammar(kind, text))
     size = compiled.memory_size_bytes
     if size > max_bytes:
@@ -497,7 +365,7 @@ def _compile_checked(compiler: Any, info: Any, kind: str, text: str, max_bytes: 
     bits = xgr.allocate_token_bitmask(1, info.vocab_size)
     matcher.fill_next_token_bitmask(bits)
     if not bool(bits.any()):  # not even a stop token: no output can satisfy it
-        raise _Refused(f"is a {_WHAT[kind]} that no output can satisfy")
+        raise _Refused(f"is a {WHAT[kind]} that no output can satisfy")
     # the serialized form is some 20x the tables (a 194 MiB enum of 20,000 values would be ~4 GiB of
     # JSON): refused before it is made
     if size * SERIALIZED_RATIO > MAX_TRANSFER:
@@ -509,73 +377,3 @@ def _compile_checked(compiler: Any, info: Any, kind: str, text: str, max_bytes: 
     if len(serialized) > MAX_TRANSFER:
         raise _Refused(f"compiles to {len(serialized) >> 20} MiB of serialized tables; simplify it")
     return serialized
-
-
-def new_matcher(compiled: Any) -> Any:
-    """A fresh matcher (xgrammar GrammarMatcher) of a compiled grammar, for one request."""
-    return _xgr().GrammarMatcher(compiled)
-
-
-@dataclass
-class TokenMask:
-    """A batch's allowed tokens on the device: `bits` [n, ceil(V/32)] int32, one row per constrained
-    sampled row; `rows` [n] their indices among the sampled rows (None: every sampled row, in order),
-    on the device and (`host_rows`) as a list."""
-
-    bits: torch.Tensor
-    rows: torch.Tensor | None
-    host_rows: list[int]
-
-
-class TokenMasks:
-    """Fills the token bitmasks of a batch's constrained rows on the host, through pinned buffers. With
-    a GPU, many rows are filled by xgrammar's thread pool (on a CPU the cores run the model)."""
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.width = (vocab_size + 31) // 32
-        self.device = device
-        self._ring = HostRing(device)
-        self.threads = 1 if device.type == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
-        self._batch: Any = None  # xgrammar BatchGrammarMatcher, made at the first large batch
-
-    def fill(self, reqs: list[Req], rows: list[int], num_sampled: int) -> TokenMask:
-        """The mask of sampled rows `rows` (their requests `reqs`, in order) of a batch sampling
-        `num_sampled` rows. A finished request's row (its token will be discarded) allows everything."""
-        n = len(rows)
-        buf, slot = self._ring.take(n * self.width)
-        bits = buf[: n * self.width].view(n, self.width)
-        live = []
-        for k, req in enumerate(reqs):
-            if req.finished or req.grammar is None:
-                bits[k].fill_(-1)
-            else:
-                live.append(k)
-        if self.threads > 1 and len(live) >= BATCH_FILL_MIN:
-            if self._batch is None:
-                self._batch = _xgr().BatchGrammarMatcher(self.threads)
-            self._batch.batch_fill_next_token_bitmask([reqs[k].grammar for k in live], bits, live)
-        else:
-            for k in live:
-                reqs[k].grammar.fill_next_token_bitmask(bits, k)
-        dev = bits.to(self.device, non_blocking=True)
-        self._ring.used(slot)  # the buffer is handed out again once this copy is done
-        every = n == num_sampled  # rows are ascending and distinct: all of them means 0..n-1
-        index = None
-        if not every and self.device.type != "cpu":
-            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return TokenMask(dev, index, list(range(n)) if every else rows)
-
-
-def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
-    """Set the logits of the tokens a constrained row may not take to -inf, in place (xgrammar's kernel:
-    Triton on a GPU, C++ on a CPU); the other rows are untouched."""
-    apply, width = _xgr().apply_token_bitmask_inplace, logits.shape[-1]
-    if len(mask.host_rows) == logits.shape[0]:
-        apply(logits, mask.bits, vocab_size=width)
-    elif logits.device.type == "cpu":  # row by row on views: no copy of the logits
-        for k, row in enumerate(mask.host_rows):
-            apply(logits[row], mask.bits[k], vocab_size=width)
-    else:  # one kernel over the constrained rows, gathered
-        sub = logits.index_select(0, mask.rows)
-        apply(sub, mask.bits, vocab_size=width)
-        logits.index_copy_(0, mask.rows, sub)
