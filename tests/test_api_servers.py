@@ -11,6 +11,7 @@ import json
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 import httpx
 import psutil
@@ -31,20 +32,16 @@ def server(tmp_path_factory):
         yield service
 
 
-def _clients(url: str, per_server: int, tries: int = 400) -> dict[int, list[httpx.Client]]:
-    """Clients of one connection each, `per_server` held by every API server (a new connection goes to
-    whichever server accepts it first; the server that holds it says which it is)."""
-    held: dict[int, list[httpx.Client]] = {i: [] for i in range(K)}
+def _client_of(url: str, index: int, tries: int = 400) -> httpx.Client:
+    """A client whose one connection API server `index` holds (a new connection goes to whichever server
+    accepts it first; the server that holds it says which it is). To be used at once: a connection left
+    idle for 5 s is closed, and the next request would go out on a new one."""
     for _ in range(tries):
-        if all(len(c) >= per_server for c in held.values()):
-            return held
         client = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=1))
-        index = client.get(f"{url}/get_server_info").json()["api_server_index"]
-        if len(held[index]) < per_server:
-            held[index].append(client)
-        else:
-            client.close()
-    raise AssertionError(f"after {tries} connections: {[len(c) for c in held.values()]} per server")
+        if client.get(f"{url}/get_server_info").json()["api_server_index"] == index:
+            return client
+        client.close()
+    raise AssertionError(f"API server {index} held none of {tries} new connections")
 
 
 def _stream(client: httpx.Client, url: str, body: dict) -> list[str]:
@@ -63,52 +60,49 @@ def _requests_total(url: str) -> float:
 
 
 def test_every_api_server_answers_on_the_one_port(server):
-    held = _clients(server.url, per_server=1)
-    for index, clients in held.items():
-        info = clients[0].get(f"{server.url}/get_server_info").json()
-        assert (info["api_server_index"], info["api_server_count"]) == (index, K)
-        clients[0].close()
+    for index in range(K):
+        with closing(_client_of(server.url, index)) as client:
+            info = client.get(f"{server.url}/get_server_info").json()
+            assert (info["api_server_index"], info["api_server_count"]) == (index, K)
 
 
 def test_requests_in_every_server_equal_the_offline_text_and_metrics_sum_over_servers(server, offline):  # noqa: F811
-    held = _clients(server.url, per_server=len(PROMPTS) // K)
-    jobs = []  # (client, prompt, stream): every prompt through both servers, streamed and not
-    for clients in held.values():
-        for j, client in enumerate(clients):
-            for p in PROMPTS[j :: len(clients)]:
-                jobs += [(client, p, True), (client, p, False)]
+    per_server = len(PROMPTS) // K
+    # every prompt through every server, streamed and not: one client per (server, j), each running its
+    # requests one after another on its one connection
+    jobs = [(index, PROMPTS[j::per_server]) for index in range(K) for j in range(per_server)]
     before = _requests_total(server.url)
 
-    def run(job) -> str:
-        client, prompt, stream = job
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS, "temperature": 0}
-        if stream:
-            return _text(_stream(client, server.url, body))
-        r = client.post(f"{server.url}/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["message"]["content"]
+    def run(index: int, prompts: list[str]) -> list[tuple[str, bool, str]]:
+        out = []
+        with closing(_client_of(server.url, index)) as client:
+            for p in prompts:
+                body = {
+                    "messages": [{"role": "user", "content": p}],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                }
+                out.append((p, True, _text(_stream(client, server.url, body))))
+                r = client.post(f"{server.url}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                out.append((p, False, r.json()["choices"][0]["message"]["content"]))
+        return out
 
-    # one thread per client: a client's requests take its one connection in turn
-    by_client: dict[int, list] = {}
-    for job in jobs:
-        by_client.setdefault(id(job[0]), []).append(job)
-    with ThreadPoolExecutor(len(by_client)) as ex:
-        results = list(ex.map(lambda js: [(j, run(j)) for j in js], by_client.values()))
-    for job, text in (r for rs in results for r in rs):
-        assert text == offline[job[1]]["text"].rstrip("\ufffd"), (job[1], job[2])
-    assert _requests_total(server.url) - before == len(jobs)  # both servers' counts, summed
-    for clients in held.values():
-        for c in clients:
-            c.close()
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        results = [r for rs in ex.map(lambda job: run(*job), jobs) for r in rs]
+    for prompt, stream, text in results:
+        assert text == offline[prompt]["text"].rstrip("\ufffd"), (prompt, stream)
+    assert len(results) == 2 * K * len(PROMPTS)
+    assert _requests_total(server.url) - before == len(results)  # both servers' counts, summed
 
 
 def test_a_client_leaving_either_server_aborts_its_request_and_frees_the_kv(server):
     checks = metrics(server.url).get("minisgl_integrity_checks", 0)
-    held = _clients(server.url, per_server=2)
     body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200}
     body |= {"stream": True, "ignore_eos": True}
 
-    def leave(client: httpx.Client) -> None:
+    def leave(index: int) -> None:
+        client = _client_of(server.url, index)
         with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -116,7 +110,7 @@ def test_a_client_leaving_either_server_aborts_its_request_and_frees_the_kv(serv
         client.close()
 
     with ThreadPoolExecutor(2 * K) as ex:
-        list(ex.map(leave, [c for cs in held.values() for c in cs]))
+        list(ex.map(leave, [i for i in range(K) for _ in range(2)]))
     m = wait_idle(server.url, checks, timeout=120)
     assert m["minisgl_kv_used_pages"] == m["minisgl_kv_cached_pages"]  # only the prefix cache holds pages
     assert m["minisgl_integrity_failures"] == 0
@@ -127,13 +121,13 @@ def test_sigterm_lets_every_servers_streams_end_with_done_and_exits_0(tmp_path):
     s = Service(args, tmp_path / "server.log")
     try:
         s.wait_ready()
-        held = _clients(s.url, per_server=2)
         body = {"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 800}
         body |= {"ignore_eos": True}  # all four fit the 4096-page pool together
         events: dict[int, list[str]] = {}
         started = threading.Barrier(2 * K + 1)
 
-        def run(i: int, client: httpx.Client) -> None:
+        def run(i: int, index: int) -> None:
+            client = _client_of(s.url, index)
             with client.stream("POST", f"{s.url}/v1/chat/completions", json={**body, "stream": True}) as r:
                 got: list[str] = []
                 for line in r.iter_lines():
@@ -143,8 +137,8 @@ def test_sigterm_lets_every_servers_streams_end_with_done_and_exits_0(tmp_path):
                             started.wait(120)
                 events[i] = got
 
-        clients = [c for cs in held.values() for c in cs]
-        threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
+        servers = [index for index in range(K) for _ in range(2)]  # two streams in each
+        threads = [threading.Thread(target=run, args=(i, index)) for i, index in enumerate(servers)]
         for t in threads:
             t.start()
         started.wait(120)  # every stream has its first chunk
@@ -154,7 +148,7 @@ def test_sigterm_lets_every_servers_streams_end_with_done_and_exits_0(tmp_path):
             t.join(120)
         assert s.proc.wait(60) == 0
         log = s.log_text()
-        for i in range(len(clients)):  # ended as an abort, properly
+        for i in range(len(servers)):  # ended as an abort, properly
             assert events[i][-1] == "[DONE]", events[i][-3:]
             last = json.loads(events[i][-2])["choices"][0]
             assert last["finish_reason"] == "abort", (len(events[i]), last, log[-6000:])
