@@ -344,11 +344,10 @@ class Batch:
     embed_seg: torch.Tensor | None = None
     embed_reqs: list[int] | None = None
     # a verify step (scheduler/speculative.py): a decode batch whose consecutive rows may share a request,
-    # row i checking the proposal `drafts[i]` (-1: the request's last row, nothing to check). On the
-    # device: the proposals per row (-1 none), and (rows, positions, ids) that put them into the token
-    # pool, where the next rows read their input tokens
+    # row i checking the proposal `drafts[i]` (-1: the request's last row, nothing to check); on the
+    # device, (rows, positions, ids) that put the proposals into the token pool, where the next rows read
+    # their input tokens
     drafts: list[int] | None = None
-    draft_ids: torch.Tensor | None = None
     draft_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:

@@ -113,41 +113,27 @@ def test_options_refuse_bad_values_naming_them():
 
 
 # ---- the rejection scheme on a fixed logit vector -------------------------------------------------
-def verify_draws(params: SamplingParams, draft: int, n: int = DRAWS, seed: int = 0) -> torch.Tensor:
-    """n rows checking the proposal `draft` against the same logits (unseeded rows: independent draws)."""
+def draws(params: SamplingParams, n: int = DRAWS, seed: int = 0) -> torch.Tensor:
+    """n independent draws of the sampler from the same logits (unseeded rows)."""
     torch.manual_seed(seed)
-    logits = LOGITS[None, :].repeat(n, 1)
-    drafts = torch.full((n,), draft, dtype=torch.int64)
-    return Sampler(DEVICE).verify(logits, make_info([params] * n), drafts)
+    return Sampler(DEVICE).sample(LOGITS[None, :].repeat(n, 1), make_info([params] * n))
 
 
-@pytest.mark.parametrize("draft", [0, 3, 9, -1])  # likely, middling, outside top-k/top-p, none
+@pytest.mark.parametrize("draft", [0, 3, 9])  # likely, middling, outside top-k / top-p
 @pytest.mark.parametrize(
     "kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8}]
 )
-def test_verified_tokens_follow_the_target_distribution(kw, draft):
-    tokens = verify_draws(SamplingParams(**kw), draft)
+def test_keeping_a_proposal_when_the_draw_equals_it_is_the_rejection_scheme(kw, draft):
+    """A verify row keeps proposal d exactly when its draw is d: kept with probability p(d), and a
+    rejected row's token is distributed as p without d, renormalised (by hand: expected_probs)."""
+    tokens = draws(SamplingParams(**kw))
     probs = expected_probs(kw["temperature"], kw.get("top_k", -1), kw.get("top_p", 1.0))
-    assert_matches(tokens, probs)
-
-
-def test_a_proposal_is_kept_as_often_as_the_target_draws_it():
-    tokens = verify_draws(SamplingParams(temperature=1.0), draft=1)
-    kept = float((tokens == 1).double().mean())
-    p = float(expected_probs(1.0)[1])
-    assert abs(kept - p) < 4 * math.sqrt(p * (1 - p) / DRAWS)
-
-
-def test_min_p_and_greedy_rows_in_one_verify_batch():
-    greedy, min_p = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, min_p=0.2)
-    n = DRAWS // 2
-    logits = LOGITS[None, :].repeat(2 * n, 1)
-    drafts = torch.tensor([5] * (2 * n))
-    tokens = Sampler(DEVICE).verify(logits, make_info([greedy] * n + [min_p] * n), drafts)
-    assert (tokens[:n] == 0).all()  # the argmax, the proposal rejected
-    p = torch.softmax(LOGITS.double(), 0)
-    expected = torch.where(p >= 0.2 * p.max(), p, 0.0)
-    assert_matches(tokens[n:], expected / expected.sum())
+    kept = tokens == draft
+    p = float(probs[draft])
+    assert abs(float(kept.double().mean()) - p) <= 4 * math.sqrt(p * (1 - p) / DRAWS)
+    residual = probs.clone()
+    residual[draft] = 0.0
+    assert_matches(tokens[~kept], residual / residual.sum())
 
 
 # ---- greedy end to end: equal to Hugging Face --------------------------------------------------------
@@ -258,9 +244,10 @@ def test_default_model_repeats_text_with_speculation_as_hf(default_model_dir):
     assert_tokens_equal_hf(out["token_ids"], HFReference(default_model_dir), ids, what="default model")
 
 
-def test_penalties_and_seeds_with_speculation_equal_the_plain_path(tiny_model_dirs):
+def test_penalties_and_seeded_sampling_with_speculation_equal_the_plain_path(tiny_model_dirs):
     """Penalised greedy rows read the proposals before them as their history (the token pool), so they
-    equal the plain decode path; a seeded sampled request gives the same tokens twice."""
+    equal the plain decode path; a seeded sampled request gives the very tokens it gives without
+    speculation (its rows draw with the plain path's noise keys)."""
     name = "llama"
     prompts = _prompts(733)
     params = [
@@ -268,20 +255,23 @@ def test_penalties_and_seeds_with_speculation_equal_the_plain_path(tiny_model_di
         SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.3),
         SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={5: 2.0, 9: -1.0}),
     ] * 2
-    outs = {}
+    seeded_params = [
+        SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=11 + i, top_p=0.9)
+        for i in range(len(prompts))
+    ]
+    outs, seeded = {}, {}
     for spec in (None, "ngram"):
         with make_llm(
             tiny_model_dirs[name], **tiny_llm_kwargs(), speculative=spec, speculative_max_batch=32
         ) as llm:
             always_propose(llm)
             outs[spec] = [o["token_ids"] for o in llm.generate(prompts, params)]
+            seeded[spec] = [o["token_ids"] for o in llm.generate(prompts, seeded_params)]
             if spec:
                 assert llm.stats()["spec_accepted_tokens"] > 0
-                seeded = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=11)
-                a, b = (llm.generate(prompts[:2], seeded) for _ in range(2))
-                assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
             assert_all_kv_free(llm)
     assert outs["ngram"] == outs[None]
+    assert seeded["ngram"] == seeded[None]
 
 
 # ---- sampled end to end: the target's distribution ---------------------------------------------------

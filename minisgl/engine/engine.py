@@ -430,10 +430,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         if batch.is_prefill:  # its rows sample for the first time since admission: their tokens so far
             self.sampler.load_history(batch.sampling_info)  # enter the token pool, if penalties read them
-        if batch.draft_ids is not None:  # a verify step: each row's token given the proposal it checks
-            next_tokens = self.sampler.verify(logits, batch.sampling_info, batch.draft_ids)
-        else:
-            next_tokens = self.sampler.sample(logits, batch.sampling_info)
+        next_tokens = self.sampler.sample(logits, batch.sampling_info)
         self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
         return next_tokens
 

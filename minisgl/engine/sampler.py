@@ -276,17 +276,6 @@ class Sampler:
         rows = info.rows._replace(step_seed=draw_step_seed(logits.device))
         return (kernel.sample if self.fused else kernel_ref.sample)(logits, rows)
 
-    def verify(self, logits: torch.Tensor, info: SamplingInfo, drafts: torch.Tensor) -> torch.Tensor:
-        """A verify step's rows: logits [S, V] and the token each row checks, drafts [S] (-1: none) -> token
-        ids [S] (int32) distributed as `sample`'s (kernel/reference.py speculative_sample); a greedy row's
-        is its argmax, so the request keeps the proposals equal to the target's greedy tokens."""
-        if info.penalties is not None:  # the proposals before each row are in the token pool already
-            logits = info.penalties.apply(logits, self.token_pool)
-        if info.rows is None:
-            return kernel.argmax(logits)
-        rows = info.rows._replace(step_seed=draw_step_seed(logits.device))
-        return kernel_ref.speculative_sample(logits, rows, drafts)
-
     @staticmethod
     def logprobs(
         logits: torch.Tensor, ids: torch.Tensor, top: int

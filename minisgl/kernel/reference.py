@@ -193,30 +193,6 @@ def _weights(logits: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, to
     return e, keep, greedy
 
 
-ACCEPT_SALT = 0x2545F491  # separates a row's acceptance draw from its exponential noise
-
-
-def speculative_sample(logits: torch.Tensor, rows, drafts: torch.Tensor) -> torch.Tensor:
-    """Token ids [S] int32 of rows that check a proposed token `drafts` [S] (-1: none), distributed as
-    `sample`'s: the proposal (a point mass) is kept with probability p(draft); otherwise the token is drawn
-    from p with the draft removed and renormalised. P(t) = p(d) [t = d] + (1 - p(d)) p(t) / (1 - p(d)) for
-    t != d, which is p(t): the rejection scheme of speculative sampling with q a point mass. A greedy row
-    takes its argmax, as `sample`. The draws are keyed as `sample`'s (a seeded row's by seed and position)."""
-    e, keep, greedy = _weights(logits, rows)
-    has = drafts >= 0
-    d = drafts.clamp_min(0).long()[:, None]
-    w = torch.where(keep, e, 0.0)
-    total, w_d = w.sum(dim=-1), w.gather(1, d)[:, 0]
-    k0, k1 = noise_keys(rows.seed, rows.counter, rows.step_seed)
-    u = (mix32(mix32(k0 ^ ACCEPT_SALT) ^ k1).to(torch.float64) + 0.5) * 2.0**-32
-    # kept with probability w_d / total; always when nothing else is left to draw
-    accept = has & ((u * total.double() < w_d.double()) | (total - w_d <= 0))
-    keep = keep & ~(has[:, None] & (torch.arange(e.shape[-1], device=e.device)[None, :] == d))
-    score = torch.where(keep, e / exponential_noise(k0, k1, e.shape[-1]), -1.0)
-    drawn = torch.where(accept, d[:, 0], score.argmax(dim=-1))
-    return torch.where(rows.temperature > 0, drawn, greedy).to(torch.int32)
-
-
 def _top_k_top_p(x: torch.Tensor, e: torch.Tensor, keep: torch.Tensor, rows) -> torch.Tensor:
     """The tokens top-k then top-p keep among `keep` (both by value thresholds: ties stay together)."""
     vocab = x.shape[-1]

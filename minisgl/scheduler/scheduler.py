@@ -494,7 +494,6 @@ class Scheduler:
             [r.table_idx if h else dummy for r, h in zip(rows, has)],
             [p + 1 if h else 0 for p, h in zip(positions, has)],
             [t if h else 0 for t, h in zip(row_drafts, has)],
-            row_drafts,
         )
         self._to_device(batch, positions, out_loc, [p + 1 for p in positions], spec_parts=writes)
         for r in reqs:  # the base row, as in decode; accepted proposals advance further when processed
@@ -536,7 +535,7 @@ class Scheduler:
         with its per-request rows in the decode graph's order (DECODE_INPUTS), equally long, so they form
         one [4, n] view for the graph runner; its page-table writes are (table_idx, positions, out_loc)
         and its input ids come from the token pool, both done by the engine. A verify step also brings
-        `spec_parts`: the token-pool (rows, positions, ids) of its proposals and each row's proposal."""
+        `spec_parts`: the token-pool (rows, positions, ids) of its proposals."""
         table_idx = [r.table_idx for r in batch.reqs]
         rows = DECODE_INPUTS.ordered(
             positions=positions, out_loc=out_loc, table_idx=table_idx, seq_lens_t=batch.seq_lens
@@ -554,7 +553,7 @@ class Scheduler:
             batch.graph_inputs = dev[: k * m].view(k, m)[:, :n]
             batch.sample_table_idx = batch.table_idx
             if spec_parts is not None:
-                w_rows, w_pos, w_ids, batch.draft_ids = views[k + 1 :]
+                w_rows, w_pos, w_ids = views[k + 1 :]
                 batch.draft_writes = (w_rows, w_pos, w_ids)
         else:
             pt_rows, pt_pos, pt_slots, batch.sample_table_idx, lidx_t, batch.input_ids = views[k + 1 :]

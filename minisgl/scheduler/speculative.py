@@ -4,10 +4,14 @@ A proposer suggests up to k tokens per request (`Proposer.propose`); the schedul
 decode step over k + 1 rows per request (scheduler.py `_prepare_decode`): row i computes position
 `cached_len + i`, its input the request's last token (i = 0) or proposal i, so it yields the target's token
 after proposal i. Rows of one request share its page-table row; each writes its own KV slot before any row
-attends, so row i sees the proposals before it as a prefill would. The engine samples each row from the
-target's processed distribution (greedy: its argmax; sampled: the rejection scheme of
-kernel/reference.py `speculative_sample`), and the request keeps the longest run of proposals the rows
-agree with plus the next row's token; the KV of the rest is overwritten later, their extra pages freed.
+attends, so row i sees the proposals before it as a prefill would. The engine samples every row as it
+samples a decode row (greedy: the argmax; sampled: the target's processed distribution, with the same
+noise keys), and the request keeps the longest run of proposals equal to the rows' tokens, plus the next
+row's token; the KV of the rest is overwritten later, their extra pages freed. For a proposal that is
+one token (not a distribution), keeping it exactly when the target's own draw equals it is the rejection
+scheme of speculative sampling: it is kept with probability p(d), and when it is not, the draw is
+distributed as p without d, renormalised. So every token is distributed as without speculation, and a
+seeded request gives the very same tokens with speculation as without.
 
 A new proposer (a draft model, an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`.
 Each request's k adapts to how often its proposals were accepted (`SpecState`): a request whose proposals
