@@ -459,10 +459,10 @@ def test_the_prefill_pacer_sizes_a_chunk_to_its_target_time_at_the_measured_pace
 def test_the_attention_ratio_is_the_weights_work_over_one_context_tokens_attention():
     """SmolLM2-135M's shapes, by hand: 30 layers of 576 hidden, 9 heads of 64 (q 576), 3 KV heads
     (kv 192), MLP 1,536: weights 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536) multiply-adds a
-    token, attention 30 * 2 * 576 a context token."""
+    token, attention 30 * 2 * 576 a context token, counted ATTENTION_SLOWDOWN times."""
     from types import SimpleNamespace
 
-    from minisgl.scheduler.pacing import attention_ratio
+    from minisgl.scheduler.pacing import ATTENTION_SLOWDOWN, attention_ratio
 
     m = SimpleNamespace(
         num_heads=9,
@@ -474,4 +474,4 @@ def test_the_attention_ratio_is_the_weights_work_over_one_context_tokens_attenti
         moe=None,
     )
     weights = 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536)
-    assert attention_ratio(m) == pytest.approx(weights / (30 * 2 * 576))
+    assert attention_ratio(m) == pytest.approx(weights / (30 * 2 * 576 * ATTENTION_SLOWDOWN))

@@ -16,6 +16,10 @@ TARGET_S = 0.4  # one prefill step's time while others decode
 FIRST_TOKENS = 256  # the first chunk, before any pace was measured
 MIN_TOKENS, MAX_TOKENS = 32, 2048
 SMOOTHING = 0.5  # weight of the newest measurement in the pace
+# a context token's attention costs this many times its multiply-adds' share of a weight pass: a prefill
+# step's attention (over a paged prefix, per request) runs far below the GEMMs' rate on a CPU; measured on
+# the stall benchmark, where a 6,400-token prompt's last chunks overran the target 3x with 1
+ATTENTION_SLOWDOWN = 4.0
 
 
 def attention_ratio(m: ModelConfig) -> float:
@@ -24,7 +28,7 @@ def attention_ratio(m: ModelConfig) -> float:
     inter = m.intermediate_size if m.moe is None else m.moe.intermediate_size * m.moe.top_k
     weights = m.num_layers * (m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * inter)
     per_context_token = m.num_layers * 2 * q  # q.k and p.v for every head
-    return max(1.0, weights / per_context_token)
+    return max(1.0, weights / (per_context_token * ATTENTION_SLOWDOWN))
 
 
 class PrefillPacer:
