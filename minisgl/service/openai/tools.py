@@ -11,6 +11,7 @@ calls written as the model writes them, `tool` results as a user turn of `<tool_
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -105,9 +106,13 @@ class ToolRequest:
 
 def preload() -> None:
     """Import what checking tools and forcing a call need (xgrammar's structural tags take ~1 s): at start,
-    not on the event loop when the first such request arrives, which stalled every stream meanwhile."""
-    import jsonschema  # noqa: F401
-    import xgrammar.structural_tag  # noqa: F401
+    not on the event loop when the first such request arrives, which stalled every stream meanwhile. One
+    that is not installed is not an error here: a request that needs it gets the clear one."""
+    for module in ("jsonschema", "xgrammar.structural_tag"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
 
 
 def _bad(message: str, param: str) -> APIError:
