@@ -13,7 +13,7 @@ import torch
 
 from minisgl.attention import KV_CACHE_DTYPES, check_attn_name
 from minisgl.distributed import DistributedInfo
-from minisgl.kernel.stored import STORED_DOTS
+from minisgl.gguf.stored import STORED_DOTS
 from minisgl.utils.options import OptionError, check, option
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

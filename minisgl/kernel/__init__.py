@@ -12,9 +12,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from minisgl.gguf.stored import StoredWeight
+
 from . import cpu, stored
 from . import reference as ref
-from .stored import StoredWeight
 
 _TRITON_ENABLED = True
 _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
