@@ -1,5 +1,6 @@
 """The attention-backend interface. A backend stores the step's K/V into the pool and attends over
-each request's whole sequence through the page table."""
+each request's whole sequence through the page table; its FusionPlan tells the attention layer
+(layers/attention.py) which of attention's neighbours run inside its kernels for a batch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,32 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.kernel import Rope
-from minisgl.layers.attention import UNFUSED, FusionPlan
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
     from minisgl.kvcache.pool import KVPool
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Which neighbours of attention run inside another kernel for one batch: decided by the attention
+    backend when it prepares the batch (BaseAttnBackend.fusion_plan) and read by the attention layer. All
+    False: rotary, the KV store, attention and the output projection each run as written."""
+
+    # attention takes q/k unrotated with the layer's Rope and rotates them (after Qwen3's q/k norm) and
+    # stores the new K/V itself: no rotary or KV-store kernel runs before it
+    rope_in_attention: bool = False
+    # the rotary kernel writes the new K/V into the pool (attention reads every key from there)
+    kv_store_in_rotary: bool = False
+    # attention returns its KV splits unmerged (a kernel.SplitAttention) and the output projection's
+    # kernel merges them as it reads its input
+    merge_in_o_proj: bool = False
+    # the decoder layer runs as one launch of the layer kernel (kernel.decode_layer), the backend giving
+    # its attention inputs (layer_inputs); a layer the kernel does not serve ignores it and runs as above
+    whole_layer: bool = False
+
+
+UNFUSED = FusionPlan()
 
 
 @dataclass

@@ -26,10 +26,9 @@ from minisgl.env import ENV
 from minisgl.kernel import Rope, SplitAttention
 from minisgl.kernel.triton import store_kv
 from minisgl.kernel.triton.attention import decode_split, extend_attention, merge_splits
-from minisgl.layers.attention import FusionPlan
 from minisgl.utils.device import HostRing
 
-from .base import AttnConfig, BaseAttnBackend
+from .base import AttnConfig, BaseAttnBackend, FusionPlan
 
 if TYPE_CHECKING:
     from minisgl.core import Batch

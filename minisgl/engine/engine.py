@@ -13,13 +13,14 @@ import torch
 
 from minisgl import kernel
 from minisgl.attention import AttnConfig, attends_sliding_windows, create_attn_backend, kv_cache_dtype
-from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.core import Batch
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
 from minisgl.gguf import stored
 from minisgl.gguf.model_dir import GGUF_LINK
 from minisgl.gguf.stored import StoredWeight
 from minisgl.grammar import TokenMask, apply_token_mask
 from minisgl.kvcache import KVPool
+from minisgl.layers.context import Context, set_global_ctx
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.resolve import resolve_model_path
 from minisgl.models.stored_weights import load_gguf, load_stored_safetensors
@@ -176,7 +177,6 @@ class Engine:
         assert self.kv_pool.num_slots > self.dummy_slot, "the pool has one page beyond num_pages"
         self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
         self.ctx = Context(
-            page_size=config.page_size,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
             moe_backend=self.moe_backend,
