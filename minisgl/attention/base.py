@@ -56,6 +56,10 @@ class BaseAttnBackend(ABC):
     # whether the backend attends over a sliding window (AttnConfig.windows); without it, sequences end
     # at the window, within which sliding changes nothing
     sliding_window = False
+    # whether its kernels store into and read from a float8 e4m3 KV pool (--kv-cache-dtype fp8_e4m3)
+    supports_fp8_kv = False
+    # the KV pool dtype its kernels read whatever the model's (None: the model's dtype)
+    kv_dtype: torch.dtype | None = None
 
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         self.config = config
@@ -123,6 +127,8 @@ class HybridBackend(BaseAttnBackend):
         self.prefill, self.decode = prefill, decode
         self.config = decode.config
         self.sliding_window = prefill.sliding_window and decode.sliding_window
+        self.supports_fp8_kv = prefill.supports_fp8_kv and decode.supports_fp8_kv
+        self.kv_dtype = prefill.kv_dtype or decode.kv_dtype
 
     def _pick(self, batch: Batch) -> BaseAttnBackend:
         return self.decode if batch.is_decode else self.prefill

@@ -96,6 +96,8 @@ def extend_tiles(
 class TritonAttnBackend(BaseAttnBackend):
     """Split-KV paged decode and flash-attention extend in Triton; supports CUDA graphs for decode."""
 
+    supports_fp8_kv = True  # the kernels store with a cast and upcast what they read
+
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         super().__init__(config, kv_pool, page_table)
         assert config.num_heads % config.num_kv_heads == 0
