@@ -15,9 +15,8 @@ from minisgl import kernel
 from minisgl.attention import AttnConfig, attends_sliding_windows, create_attn_backend, kv_cache_dtype
 from minisgl.core import Batch
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
-from minisgl.gguf import stored
+from minisgl.gguf import StoredWeight, stored
 from minisgl.gguf.model_dir import GGUF_LINK
-from minisgl.gguf.stored import StoredWeight
 from minisgl.grammar import TokenMask, apply_token_mask
 from minisgl.kvcache import KVPool
 from minisgl.layers.context import Context, set_global_ctx
