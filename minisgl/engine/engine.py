@@ -13,13 +13,16 @@ import torch
 
 from minisgl import kernel
 from minisgl.attention import AttnConfig, attends_sliding_windows, create_attn_backend, kv_cache_dtype
-from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.core import Batch
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
+from minisgl.gguf import StoredWeight, stored
+from minisgl.gguf.model_dir import GGUF_LINK
 from minisgl.grammar import TokenMask, apply_token_mask
-from minisgl.kernel import StoredWeight, stored
 from minisgl.kvcache import KVPool
+from minisgl.layers.context import Context, set_global_ctx
 from minisgl.models import ModelConfig, create_model
-from minisgl.models.gguf_weights import load_gguf, load_stored_safetensors
+from minisgl.models.resolve import resolve_model_path
+from minisgl.models.stored_weights import load_gguf, load_stored_safetensors
 from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.moe import create_moe_backend
 from minisgl.utils import init_logger
@@ -31,8 +34,7 @@ from minisgl.utils.device import (
     set_cpu_threads,
     synchronize,
 )
-from minisgl.utils.gguf_file import GGUF_LINK
-from minisgl.utils.hf import load_hf_config, pooling_of, resolve_model_path
+from minisgl.utils.hf import load_hf_config, pooling_of
 
 from .config import EngineConfig
 from .cpu_step import CpuDecodeStep
@@ -174,7 +176,6 @@ class Engine:
         assert self.kv_pool.num_slots > self.dummy_slot, "the pool has one page beyond num_pages"
         self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
         self.ctx = Context(
-            page_size=config.page_size,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
             moe_backend=self.moe_backend,
@@ -240,7 +241,7 @@ class Engine:
         show = self.config.show_progress and self.config.tp_info.is_primary()
         gguf_file = os.path.join(self.model_dir, GGUF_LINK)
         stored_bytes = 0
-        if os.path.exists(gguf_file):  # a .gguf file prepared to be read as stored (utils/gguf_file.py)
+        if os.path.exists(gguf_file):  # a .gguf file prepared to be read as stored (gguf/model_dir.py)
             # auto: as stored on one CPU rank; on a GPU or with TP, dequantized into the float parameters
             keep = self.device.type == "cpu" and self.config.tp_info.size == 1
             keep = keep and self.config.weights_format != "float32"
