@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import Batch, FinishReason, InvalidRequest, Phase, Req, SamplingParams
+from minisgl.core import Batch, FinishReason, InvalidRequest, Req, SamplingParams
 from minisgl.engine import Engine, ForwardOutput, Logits
 from minisgl.env import ENV
 from minisgl.utils import init_logger
@@ -30,9 +30,9 @@ from .decode import DecodeManager
 from .grammar import GrammarManager
 from .output import OutputProcessor, StepOutput
 from .pacing import PrefillPacer, attention_ratio
-from .prefill import PrefillManager, pages_for
-from .speculative import SpecState, StepCosts, create_proposer
+from .prefill import PrefillManager
 from .table import TableManager
+from .verify import Verifier
 
 logger = init_logger(__name__)
 
@@ -61,10 +61,13 @@ class Scheduler:
             cache_bytes=config.grammar_cache_mb << 20,
         )
         self.reqs: dict[int, Req] = {}
+        pooling = self.engine.pooling
         self.batches = BatchBuilder(
-            self.cache, self.decode, self.grammar, self.device, self.vocab_size, self.engine.pooling
+            self.cache, self.decode, self.grammar, self.device, self.vocab_size, pooling
         )
-        self.output = OutputProcessor(self.eos_token_ids, self.engine.pooling, self._end)
+        self.output = OutputProcessor(self.eos_token_ids, pooling, self._end)
+        dummy = self.engine.dummy_row
+        self.verifier = Verifier(config, self.cache, self.batches, dummy, self.output.emit)
         # the engine computes on this stream; batches are prepared on the current one
         self.stream = create_stream(self.device)
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
@@ -77,13 +80,6 @@ class Scheduler:
         self.pacer = PrefillPacer(attention_ratio(self.engine.model_config)) if cpu else None
         self._paced = False  # the batch being launched is a prefill step the pacer sized
         self.num_retractions = 0
-        self.proposer = None  # speculative decoding (scheduler/speculative.py), None when off
-        if config.speculative is not None:
-            self.proposer = create_proposer(
-                config.speculative, config.speculative_ngram_min, config.speculative_ngram_max
-            )
-        self.spec_proposed = self.spec_accepted = self.spec_steps = 0
-        self.step_costs = StepCosts()  # a lone request's steps by rows: what its k is chosen from
         self.last_batch_size = 0
         self.max_batch_size = 0
         self.num_total_pages = self.engine.num_pages
@@ -186,11 +182,11 @@ class Scheduler:
         out = fwd = None
         if batch is not None and batch.grammar_rows is not None:
             fwd = self._launch_forward(batch)  # its masks need the tokens of the step in flight
-        elif batch is not None and self._times_steps(batch):
+        elif batch is not None and self.verifier.times_steps(batch, len(self.decode.running)):
             start = time.perf_counter()
             out = self._launch(batch)
             out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
-            self.step_costs.add(batch.size, time.perf_counter() - start)
+            self.verifier.step_costs.add(batch.size, time.perf_counter() - start)
         elif batch is not None:
             out = self._launch(batch)
         results, self._pending_outputs = self._pending_outputs, []
@@ -207,16 +203,6 @@ class Scheduler:
             else:
                 results += self._process(batch, out)
         return results
-
-    def _times_steps(self, batch: Batch) -> bool:
-        """A decode or verify step while speculation is possible: its cost by rows chooses k (StepCosts).
-        Not with several ranks: each would time its own steps, and they must all choose the same k."""
-        return (
-            self.proposer is not None
-            and self.config.tp_info.size == 1
-            and batch.is_decode
-            and len(self.decode.running) <= self.config.speculative_max_batch
-        )
 
     def _launch(self, batch: Batch) -> ForwardOutput:
         return self._on_engine_stream(batch, self.engine.forward_batch)
@@ -283,13 +269,13 @@ class Scheduler:
         return self._prepare_decode()
 
     def _prepare_decode(self) -> Batch | None:
-        if self.proposer is not None and 0 < len(self.decode.running) <= self.config.speculative_max_batch:
+        if self.verifier.wants(len(self.decode.running)):
             self._drain()  # proposals need every request's latest token on the host
         reqs = self.decode.decodable()
         if not reqs:
             return None
-        if self.proposer is not None and len(reqs) <= self.config.speculative_max_batch:
-            batch = self._prepare_verify(reqs)
+        if self.verifier.wants(len(reqs)):
+            batch = self.verifier.prepare(reqs)
             if batch is not None:
                 return batch
         ps = self.page_size
@@ -309,69 +295,6 @@ class Scheduler:
             if not reqs:
                 return None
         return self.batches.decode_step(reqs)
-
-    def _prepare_verify(self, reqs: list[Req]) -> Batch | None:
-        """A verify step: each request's proposals in rows after its last token (scheduler/speculative.py).
-        None when no request has a proposal or the pool cannot hold them (a plain decode step then)."""
-        max_k = self.config.num_speculative_tokens
-        rooms = []
-        for r in reqs:
-            if r.spec is None:
-                r.spec = SpecState()
-            # no proposals under a grammar (the masks follow the matcher one token a step), nor beyond the
-            # request's last position
-            room = r.max_total_len - r.device_len - 1
-            rooms.append(room if r.grammar is None and room > 0 and r.spec.ready() else 0)
-        if self.config.tp_info.size > 1:
-            ks = [min(r.spec.k(max_k), room) for r, room in zip(reqs, rooms)]
-        else:  # the k of the most expected tokens per second of the step
-            k = self.step_costs.best_k([r.spec.hit for r, m in zip(reqs, rooms) if m], len(reqs), max_k)
-            if k == 0:
-                for r, m in zip(reqs, rooms):
-                    if m:
-                        r.spec.pause()
-            ks = [min(k or 0, room) for room in rooms]
-        drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
-        if not any(drafts):
-            return None
-        ps = self.page_size
-        need = [pages_for(r.cached_len + len(d) + 1, ps) - len(r.pages) for r, d in zip(reqs, drafts)]
-        pages = self.cache.alloc(sum(n for n in need if n > 0))
-        if pages is None:
-            return None  # no room for proposals: decode (which may retract) instead
-        for r, n in zip(reqs, need):
-            if n > 0:
-                r.pages += pages[:n]
-                del pages[:n]
-        order = sorted(range(len(reqs)), key=lambda i: reqs[i].cached_len, reverse=True)
-        rows: list[Req] = []
-        positions: list[int] = []
-        row_drafts: list[int] = []
-        for i in order:
-            r, d = reqs[i], drafts[i]
-            rows += [r] * (len(d) + 1)
-            positions += range(r.cached_len, r.cached_len + len(d) + 1)
-            row_drafts += [*d, -1]
-            r.table_len = r.cached_len + len(d) + 1
-        n = len(rows)
-        out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(rows, positions)]
-        batch = Batch(rows, Phase.DECODE, positions, [1] * n, [True] * n)
-        batch.drafts = row_drafts
-        # proposal i goes into the token pool at the position after its row, where row i + 1 reads it;
-        # a request's last row writes nothing (into the unused dummy row)
-        dummy = self.engine.dummy_row
-        has = [t >= 0 for t in row_drafts]
-        writes = (
-            [r.table_idx if h else dummy for r, h in zip(rows, has)],
-            [p + 1 if h else 0 for p, h in zip(positions, has)],
-            [t if h else 0 for t, h in zip(row_drafts, has)],
-        )
-        self.batches.to_device(batch, positions, out_loc, [p + 1 for p in positions], spec_parts=writes)
-        for r in reqs:  # the base row, as in decode; accepted proposals advance further when processed
-            r.cached_len += 1
-            r.device_len += 1
-        self.spec_steps += 1
-        return batch
 
     def _retract(self, req: Req) -> None:
         """Out of pages: send the newest request back to the queue, keeping its tokens. Its computed KV
@@ -396,7 +319,7 @@ class Scheduler:
         out.wait()  # the only host synchronisation of a step
         tokens = out.next_tokens_host.tolist()
         if batch.drafts is not None:
-            return self._process_verify(batch, tokens, out.logprobs_host)
+            return self.verifier.process(batch, tokens, out.logprobs_host)
         return self.output.process(batch, tokens, out)
 
     def _end(self, req: Req) -> None:
@@ -405,39 +328,6 @@ class Scheduler:
         self._release(req)
         self.grammar.release(req)
         self.reqs.pop(req.uid, None)
-
-    def _process_verify(self, batch: Batch, tokens: list[int], logprobs: tuple | None) -> list[StepOutput]:
-        """A verify step's rows, request by request: the tokens up to and including the first row whose
-        token differs from the proposal it checks (the last row checks none). Each agreeing row makes its
-        proposal's KV valid; the pages past the request's valid KV go back to the pool."""
-        assert batch.drafts is not None
-        drafts, reqs, n = batch.drafts, batch.reqs, len(tokens)
-        results: list[StepOutput] = []
-        i = 0
-        while i < n:
-            req, start = reqs[i], i
-            while drafts[i] >= 0:  # a request's rows end with the one that checks nothing
-                i += 1
-            end, i = i, i + 1
-            if req.finished:  # aborted since: its rows are discarded
-                continue
-            accepted = 0
-            for row in range(start, end + 1):
-                res = self.output.emit(req, tokens[row], row, logprobs)
-                results.append(res)
-                if res.finished or tokens[row] != drafts[row]:
-                    break
-                accepted += 1  # the proposal is the token: its KV (row + 1's input) is valid
-                req.cached_len += 1
-                req.device_len += 1
-            self.spec_proposed += end - start
-            self.spec_accepted += accepted
-            req.spec.update(end - start, accepted)
-            if not req.finished:
-                keep = pages_for(req.cached_len, self.page_size)
-                self.cache.free(req.pages[keep:])
-                del req.pages[keep:]
-        return results
 
     def flush_cache(self) -> int | None:
         """Empty the prefix cache, as SGLang's /flush_cache does: only when no request runs or waits
@@ -462,9 +352,9 @@ class Scheduler:
             num_retractions=self.num_retractions,
             last_batch_size=self.last_batch_size,
             max_batch_size=self.max_batch_size,
-            spec_proposed_tokens=self.spec_proposed,
-            spec_accepted_tokens=self.spec_accepted,
-            spec_verify_steps=self.spec_steps,
+            spec_proposed_tokens=self.verifier.spec_proposed,
+            spec_accepted_tokens=self.verifier.spec_accepted,
+            spec_verify_steps=self.verifier.spec_steps,
         )
         return s
 
