@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import Batch, FinishReason, InvalidRequest, Req, SamplingParams
+from minisgl.core import Batch, FinishReason, Req, SamplingParams
 from minisgl.engine import Engine, ForwardOutput, Logits
 from minisgl.env import ENV
 from minisgl.utils import init_logger
@@ -28,6 +28,7 @@ from .cache import CacheManager
 from .config import SchedulerConfig
 from .decode import DecodeManager
 from .grammar import GrammarManager
+from .intake import RequestLimits, new_req, validate_request
 from .output import OutputProcessor, StepOutput
 from .pacing import PrefillPacer, attention_ratio
 from .prefill import PrefillManager
@@ -84,6 +85,7 @@ class Scheduler:
         self.max_batch_size = 0
         self.num_total_pages = self.engine.num_pages
         self.pool_tokens = self.num_total_pages * self.page_size
+        self.limits = RequestLimits(self.max_seq_len, self.vocab_size, self.pool_tokens)
         logger.info(
             f"Scheduler ready: cache={config.cache_type}, overlap={self.overlap}, "
             f"max_prefill_length={config.max_prefill_length}"
@@ -93,36 +95,7 @@ class Scheduler:
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field (`prompt`, `max_tokens`, ...) of a request that cannot run.
         The one set of rules for both the offline path and the service."""
-        params.validate()
-        n, max_len = len(input_ids), self.max_seq_len
-        if n == 0:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if n >= max_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; the maximum sequence length is {max_len} "
-                "(prompt + at least one generated token)",
-                "prompt",
-            )
-        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise InvalidRequest(f"'logit_bias' token ids must be in [0, {self.vocab_size})", "logit_bias")
-        if n >= self.pool_tokens:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens but the KV pool holds only {self.pool_tokens}", "prompt"
-            )
-        if params.prompt_logprobs is not None and params.prompt_logprobs_start >= n:
-            raise InvalidRequest(
-                f"'prompt_logprobs_start' is {params.prompt_logprobs_start}; the prompt has {n} tokens",
-                "prompt_logprobs_start",
-            )
-        if params.max_tokens is not None and n + params.max_tokens > max_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens and 'max_tokens' is {params.max_tokens}: together more than "
-                f"the maximum sequence length {max_len}; lower 'max_tokens' or shorten the prompt "
-                "(with no 'max_tokens' the output runs up to the context)",
-                "max_tokens",
-            )
+        validate_request(input_ids, params, self.limits)
 
     def add_request(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
         """Queue a request after `validate`; `params.max_tokens=None` runs up to the context."""
@@ -130,12 +103,7 @@ class Scheduler:
             raise ValueError(f"request uid {uid} is already in use")
         input_ids = [int(t) for t in input_ids]
         self.validate(input_ids, params)
-        req = Req(uid=uid, token_ids=input_ids, sampling_params=params)
-        max_tokens = self.max_seq_len if params.max_tokens is None else params.max_tokens
-        # a request alone must always fit in the pool, or retraction could not make progress
-        req.max_total_len = min(len(input_ids) + max_tokens, self.max_seq_len, self.pool_tokens)
-        if params.embed and self.engine.pooling != "last":
-            req.embed_from = 0  # every position is pooled (mean), or the first (cls): none from the cache
+        req = new_req(uid, input_ids, params, self.limits, self.engine.pooling)
         self.reqs[uid] = req
         if params.grammar is not None:
             self.grammar.add(req)  # joins the prefill queue once its grammar is compiled
