@@ -32,6 +32,7 @@ from .intake import RequestLimits, new_req, validate_request
 from .output import OutputProcessor, StepOutput
 from .pacing import PrefillPacer, attention_ratio
 from .prefill import PrefillManager
+from .retraction import Retraction
 from .table import TableManager
 from .verify import Verifier
 
@@ -67,6 +68,7 @@ class Scheduler:
             self.cache, self.decode, self.grammar, self.device, self.vocab_size, pooling
         )
         self.output = OutputProcessor(self.eos_token_ids, pooling, self._end)
+        self.retraction = Retraction(self.cache, self.decode, self.prefill, self._release)
         dummy = self.engine.dummy_row
         self.verifier = Verifier(config, self.cache, self.batches, dummy, self.output.emit)
         # the engine computes on this stream; batches are prepared on the current one
@@ -80,7 +82,6 @@ class Scheduler:
         cpu = self.device.type == "cpu"
         self.pacer = PrefillPacer(attention_ratio(self.engine.model_config)) if cpu else None
         self._paced = False  # the batch being launched is a prefill step the pacer sized
-        self.num_retractions = 0
         self.last_batch_size = 0
         self.max_batch_size = 0
         self.num_total_pages = self.engine.num_pages
@@ -209,11 +210,13 @@ class Scheduler:
             out = StepOutput(req.uid, -1, True, FinishReason.ERROR, error=error, error_param=param)
             self._pending_outputs.append(out)
 
-    def _drain(self) -> None:
-        """Process the step in flight now (before a retraction needs exact host state)."""
-        if self._in_flight is not None:
-            self._pending_outputs += self._process(*self._in_flight)
-            self._in_flight = None
+    def _drain(self) -> bool:
+        """Process the step in flight now (before a retraction needs exact host state); False if none."""
+        if self._in_flight is None:
+            return False
+        self._pending_outputs += self._process(*self._in_flight)
+        self._in_flight = None
+        return True
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _schedule(self) -> Batch | None:
@@ -246,35 +249,10 @@ class Scheduler:
             batch = self.verifier.prepare(reqs)
             if batch is not None:
                 return batch
-        ps = self.page_size
-        while True:  # every request needs a page when its next position starts one
-            short = [r for r in reqs if r.cached_len // ps >= len(r.pages)]
-            pages = self.cache.alloc(len(short))
-            if pages is not None:
-                for r, p in zip(short, pages):
-                    r.pages.append(p)
-                break
-            if self._in_flight is not None:
-                self._drain()  # finished requests may free pages; host state becomes exact
-                reqs = self.decode.decodable()
-            else:
-                self._retract(self.decode.newest(reqs))
-                reqs = self.decode.decodable()
-            if not reqs:
-                return None
+        reqs = self.retraction.give_pages(reqs, self._drain)
+        if not reqs:
+            return None
         return self.batches.decode_step(reqs)
-
-    def _retract(self, req: Req) -> None:
-        """Out of pages: send the newest request back to the queue, keeping its tokens. Its computed KV
-        goes to the prefix cache, so resuming recomputes only what was evicted meanwhile."""
-        logger.warning(
-            f"KV pool full: retracting request {req.uid} ({len(req.token_ids)} tokens) to the queue"
-        )
-        self.num_retractions += 1
-        self.decode.remove(req)
-        self._release(req)
-        req.cached_len = req.device_len = req.table_len = 0
-        self.prefill.add(req, front=True)
 
     def _release(self, req: Req) -> None:
         self.cache.release(req)
@@ -317,7 +295,7 @@ class Scheduler:
             kv_used_pages=used,
             kv_total_pages=self.num_total_pages,
             kv_cached_pages=self.cache.cache.cached_pages,
-            num_retractions=self.num_retractions,
+            num_retractions=self.retraction.num_retractions,
             last_batch_size=self.last_batch_size,
             max_batch_size=self.max_batch_size,
             spec_proposed_tokens=self.verifier.spec_proposed,
