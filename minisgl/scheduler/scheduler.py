@@ -12,16 +12,13 @@ matchers), then the masks are filled and step N samples. A step with no constrai
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from minisgl.core import Batch, FinishReason, Req, SamplingParams
-from minisgl.engine import Engine, ForwardOutput, Logits
+from minisgl.engine import Engine, ForwardOutput
 from minisgl.env import ENV
 from minisgl.utils import init_logger
-from minisgl.utils.device import create_stream, current_stream, use_stream
 
 from .batch_builder import BatchBuilder
 from .cache import CacheManager
@@ -29,6 +26,7 @@ from .config import SchedulerConfig
 from .decode import DecodeManager
 from .grammar import GrammarManager
 from .intake import RequestLimits, new_req, validate_request
+from .launcher import Launcher
 from .output import OutputProcessor, StepOutput
 from .pacing import PrefillPacer, attention_ratio
 from .prefill import PrefillManager
@@ -71,8 +69,6 @@ class Scheduler:
         self.retraction = Retraction(self.cache, self.decode, self.prefill, self._release)
         dummy = self.engine.dummy_row
         self.verifier = Verifier(config, self.cache, self.batches, dummy, self.output.emit)
-        # the engine computes on this stream; batches are prepared on the current one
-        self.stream = create_stream(self.device)
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._pending_outputs: list[StepOutput] = []
         self._chunk_left = False  # the last prefill step left a prompt's chunk for later
@@ -81,9 +77,7 @@ class Scheduler:
         # prompt's whole prefill
         cpu = self.device.type == "cpu"
         self.pacer = PrefillPacer(attention_ratio(self.engine.model_config)) if cpu else None
-        self._paced = False  # the batch being launched is a prefill step the pacer sized
-        self.last_batch_size = 0
-        self.max_batch_size = 0
+        self.launcher = Launcher(self.engine, self.pacer)
         self.num_total_pages = self.engine.num_pages
         self.pool_tokens = self.num_total_pages * self.page_size
         self.limits = RequestLimits(self.max_seq_len, self.vocab_size, self.pool_tokens)
@@ -150,20 +144,20 @@ class Scheduler:
         batch = self._schedule()
         out = fwd = None
         if batch is not None and batch.grammar_rows is not None:
-            fwd = self._launch_forward(batch)  # its masks need the tokens of the step in flight
+            fwd = self.launcher.launch_forward(batch)  # its masks need the tokens of the step in flight
         elif batch is not None and self.verifier.times_steps(batch, len(self.decode.running)):
             start = time.perf_counter()
-            out = self._launch(batch)
+            out = self.launcher.launch(batch)
             out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
             self.verifier.step_costs.add(batch.size, time.perf_counter() - start)
         elif batch is not None:
-            out = self._launch(batch)
+            out = self.launcher.launch(batch)
         results, self._pending_outputs = self._pending_outputs, []
         if self._in_flight is not None:
             results += self._process(*self._in_flight)
             self._in_flight = None
         if fwd is not None:
-            out = self._launch_sample(batch, fwd)
+            out = self.launcher.launch_sample(batch, fwd, self.grammar.mask)
         if batch is None and not results and self.grammar.compiling:
             self.grammar.wait(0.05)  # nothing to run until a grammar is compiled: do not spin
         if out is not None:
@@ -172,32 +166,6 @@ class Scheduler:
             else:
                 results += self._process(batch, out)
         return results
-
-    def _launch(self, batch: Batch) -> ForwardOutput:
-        return self._on_engine_stream(batch, self.engine.forward_batch)
-
-    def _launch_forward(self, batch: Batch) -> Logits:
-        return self._on_engine_stream(batch, self.engine.forward)
-
-    def _on_engine_stream(self, batch: Batch, run: Callable[[Batch], Any]) -> Any:
-        """Launch `run(batch)` on the engine's stream, after what the current stream prepared."""
-        size = batch.size if batch.drafts is None else batch.drafts.count(-1)  # requests, not rows
-        self.last_batch_size = size
-        self.max_batch_size = max(self.max_batch_size, size)
-        self.stream.wait_stream(current_stream(self.device))
-        paced, self._paced = self._paced, False
-        start = time.perf_counter()
-        with use_stream(self.stream):
-            out = run(batch)
-        if paced and self.pacer is not None:  # a CPU step runs as it is called: its time is the step's
-            chunks = list(zip(batch.extend_lens, batch.prefix_lens))
-            self.pacer.measured(time.perf_counter() - start, chunks)
-        return out
-
-    def _launch_sample(self, batch: Batch, fwd: Logits) -> ForwardOutput:
-        """Sample a batch with constrained rows, the matchers up to date: their masks, then the engine."""
-        with use_stream(self.stream):
-            return self.engine.sample(batch, fwd, self.grammar.mask(batch))
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is compiled; end those whose grammar failed with an error."""
@@ -233,7 +201,7 @@ class Scheduler:
             chunked = self.prefill.chunked
             busy = self.pacer.budget(chunked.cached_len if chunked is not None else 0)
         plan = self.prefill.schedule(self.decode.running, busy)
-        self._paced = plan is not None and busy is not None  # its time measures the pace
+        self.launcher.paced = plan is not None and busy is not None
         if plan is not None:
             self._chunk_left = self.prefill.chunked is not None
             return self.batches.prefill(plan)
@@ -296,8 +264,8 @@ class Scheduler:
             kv_total_pages=self.num_total_pages,
             kv_cached_pages=self.cache.cache.cached_pages,
             num_retractions=self.retraction.num_retractions,
-            last_batch_size=self.last_batch_size,
-            max_batch_size=self.max_batch_size,
+            last_batch_size=self.launcher.last_batch_size,
+            max_batch_size=self.launcher.max_batch_size,
             spec_proposed_tokens=self.verifier.spec_proposed,
             spec_accepted_tokens=self.verifier.spec_accepted,
             spec_verify_steps=self.verifier.spec_steps,
