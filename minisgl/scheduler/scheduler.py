@@ -7,7 +7,14 @@ meantime is discarded, never reported.
 
 A step with rows under a grammar (scheduler/grammar.py) needs, for their token masks, the tokens of step
 N-1: the engine's forward of step N is launched first, then step N-1 is processed (its tokens advance the
-matchers), then the masks are filled and step N samples. A step with no constrained row runs as before."""
+matchers), then the masks are filled and step N samples. A step with no constrained row runs as before.
+
+This file holds the step and the choice of what runs; each resource and each stage has its own file:
+table.py (request slots), cache.py (pages and the prefix cache), prefill.py (the queue, admission,
+chunks), decode.py (the running set), retraction.py (decode's pages, retracting when the pool is short),
+grammar.py (constrained requests and their masks), verify.py (speculative decoding's verify steps),
+intake.py (a request's rules and its Req), batch_builder.py (a step's Batch and its device inputs),
+launcher.py (the engine's stream) and output.py (a computed step's StepOutputs)."""
 
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ logger = init_logger(__name__)
 
 
 class Scheduler:
+    """One per rank: requests in (`add_request`, `abort_request`), `step()` until `has_work` is False."""
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.engine = Engine(config)  # a SchedulerConfig is an EngineConfig plus the scheduling options
@@ -222,12 +231,6 @@ class Scheduler:
             return None
         return self.batches.decode_step(reqs)
 
-    def _release(self, req: Req) -> None:
-        self.cache.release(req)
-        if req.table_idx >= 0:
-            self.table.free(req.table_idx)
-            req.table_idx, req.table_len = -1, 0
-
     # ---- results ---------------------------------------------------------------------------------
     def _process(self, batch: Batch, out: ForwardOutput) -> list[StepOutput]:
         out.wait()  # the only host synchronisation of a step
@@ -242,6 +245,13 @@ class Scheduler:
         self._release(req)
         self.grammar.release(req)
         self.reqs.pop(req.uid, None)
+
+    def _release(self, req: Req) -> None:
+        """Give back a request's pages (its computed KV to the prefix cache) and its slot."""
+        self.cache.release(req)
+        if req.table_idx >= 0:
+            self.table.free(req.table_idx)
+            req.table_idx, req.table_len = -1, 0
 
     def flush_cache(self) -> int | None:
         """Empty the prefix cache, as SGLang's /flush_cache does: only when no request runs or waits
