@@ -56,6 +56,7 @@ class Scheduler:
         self.vocab_size = self.engine.model_config.vocab_size
         self.eos_token_ids = set(self.engine.model_config.eos_token_ids) | set(config.extra_eos_token_ids)
         self.overlap = (not ENV.disable_overlap_scheduling) if config.overlap is None else config.overlap
+        # the managers, each owning one resource
         self.table = TableManager(config.max_running_req)
         self.cache = CacheManager(self.engine.num_pages, self.page_size, config.cache_type)
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length, config.reserve_ratio)
@@ -70,6 +71,7 @@ class Scheduler:
             cache_bytes=config.grammar_cache_mb << 20,
         )
         self.reqs: dict[int, Req] = {}
+        # the stages of a step: build its batch, launch it, turn its tokens into outputs
         pooling = self.engine.pooling
         self.batches = BatchBuilder(
             self.cache, self.decode, self.grammar, self.device, self.vocab_size, pooling
