@@ -39,7 +39,7 @@ DEVICE = torch.device("cpu")
 def always_propose(llm) -> None:
     """Every request proposes its k (from its acceptance), whatever the step timings say: the tests that
     need verify steps to happen do not depend on how busy the machine is."""
-    llm.scheduler.verifier.step_costs.best_k = lambda hits, n, max_k: max_k
+    llm.scheduler.step_costs.best_k = lambda hits, n, max_k: max_k
 
 
 # ---- the n-gram proposer ---------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_many_rejected_proposals_leak_no_page_or_cache_node(
     with make_llm(tiny_model_dirs[name], **kw, **spec) as llm:
         wrong = FixedProposer()
         wrong.k = 7
-        llm.scheduler.verifier.proposer = wrong
+        llm.scheduler.proposer = wrong
         always_propose(llm)
         outs = llm.generate(prompts, SamplingParams(max_tokens=50, ignore_eos=True))
         stats = llm.stats()

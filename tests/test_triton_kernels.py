@@ -702,7 +702,7 @@ def test_llm_verify_steps_with_triton_attention_equal_hf(tiny_model_dirs, hf_ref
     prompts = [base * 3 + base[:2], random_prompt(12, vocab, 10)]
     kwargs = tiny_llm_kwargs(attn="triton", page_size=4, cuda_graph_max_bs=4, max_prefill_length=16)
     with make_llm(tiny_model_dirs["qwen3"], **kwargs, speculative="ngram", num_speculative_tokens=3) as llm:
-        llm.scheduler.verifier.step_costs.best_k = lambda hits, n, max_k: max_k  # verify whatever the timings
+        llm.scheduler.step_costs.best_k = lambda hits, n, max_k: max_k  # verify whatever the timings
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
         assert llm.stats()["spec_verify_steps"] > 0
     for prompt, out in zip(prompts, outs):

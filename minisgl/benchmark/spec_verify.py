@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sched, engine = llm.scheduler, llm.scheduler.engine
     proposer = FixedProposer()
-    sched.verifier.proposer = proposer
+    sched.proposer = proposer
     launch = engine.forward_batch
     times: dict[int, list[float]] = defaultdict(list)
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     # the proposals are always rejected, which would rest the request (SpecState) or choose a small k
     # (StepCosts): keep it proposing all k
     keep_update, SpecState.update = SpecState.update, lambda self, proposed, accepted: None
-    sched.verifier.step_costs.best_k = lambda hits, n, max_k: max_k
+    sched.step_costs.best_k = lambda hits, n, max_k: max_k
     prompt = [1000 + i % 5000 for i in range(args.context)]
     try:
         for k in range(args.max_k + 1):

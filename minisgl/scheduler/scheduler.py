@@ -38,6 +38,7 @@ from .output import OutputProcessor, StepOutput
 from .pacing import PrefillPacer, attention_ratio
 from .prefill import PrefillManager
 from .retraction import Retraction
+from .speculative import Proposer, StepCosts
 from .table import TableManager
 from .verify import Verifier
 
@@ -78,8 +79,7 @@ class Scheduler:
         )
         self.output = OutputProcessor(self.eos_token_ids, pooling, self._end)
         self.retraction = Retraction(self.cache, self.decode, self.prefill, self._release)
-        dummy = self.engine.dummy_row
-        self.verifier = Verifier(config, self.cache, self.batches, dummy, self.output.emit)
+        self.verifier = Verifier(config, self.cache, self.batches, self.engine, self.output.emit)
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._pending_outputs: list[StepOutput] = []
         self._chunk_left = False  # the last prefill step left a prompt's chunk for later
@@ -263,6 +263,19 @@ class Scheduler:
         return self.cache.flush()
 
     # ---- introspection ---------------------------------------------------------------------------
+    @property
+    def proposer(self) -> Proposer | None:
+        """The speculative proposer (the verifier's), None when speculation is off."""
+        return self.verifier.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self.verifier.proposer = proposer
+
+    @property
+    def step_costs(self) -> StepCosts:
+        return self.verifier.step_costs
+
     def num_free_pages(self) -> int:
         return self.cache.num_free
 

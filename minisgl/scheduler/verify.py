@@ -13,6 +13,8 @@ from .prefill import pages_for
 from .speculative import SpecState, StepCosts, create_proposer
 
 if TYPE_CHECKING:
+    from minisgl.engine import Engine
+
     from .batch_builder import BatchBuilder
     from .cache import CacheManager
     from .config import SchedulerConfig
@@ -27,12 +29,11 @@ class Verifier:
         config: SchedulerConfig,
         cache: CacheManager,
         batches: BatchBuilder,
-        dummy_row: int,
+        engine: Engine,
         emit: Callable[[Req, int, int, tuple | None], StepOutput],
     ) -> None:
-        self.config, self.cache, self.batches = config, cache, batches
+        self.config, self.cache, self.batches, self.engine = config, cache, batches, engine
         self.page_size = config.page_size
-        self.dummy_row = dummy_row  # the token pool's unused row: a request's last row writes there
         self.emit = emit  # gives a request one of the step's tokens (OutputProcessor.emit)
         self.proposer = None  # speculative decoding (scheduler/speculative.py), None when off
         if config.speculative is not None:
@@ -109,7 +110,7 @@ class Verifier:
         batch.drafts = row_drafts
         # proposal i goes into the token pool at the position after its row, where row i + 1 reads it;
         # a request's last row writes nothing (into the unused dummy row)
-        dummy = self.dummy_row
+        dummy = self.engine.dummy_row
         has = [t >= 0 for t in row_drafts]
         writes = (
             [r.table_idx if h else dummy for r, h in zip(rows, has)],
