@@ -105,6 +105,10 @@ class Scheduler:
             self.proposer = create_proposer(
                 config.speculative, config.speculative_ngram_min, config.speculative_ngram_max
             )
+            # a verify step has up to k + 1 rows for each of at most speculative_max_batch requests
+            self.engine.capture_verify_graphs(
+                config.speculative_max_batch * (config.num_speculative_tokens + 1)
+            )
         self.spec_proposed = self.spec_accepted = self.spec_steps = 0
         self.step_costs = StepCosts()  # a lone request's steps by rows: what its k is chosen from
         self.last_batch_size = 0

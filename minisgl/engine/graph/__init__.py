@@ -18,13 +18,14 @@ a closure that reads only the fixed buffers, so an input that replay forgets to 
 on a CPU too, and the tests catch it.
 
 The files: `sizes.py` (the captured sizes), `base.py` (the shared runner, capture, `GraphDeps`),
-`decode.py`, `prefill.py`.
+`decode.py`, `prefill.py`, `verify.py` (speculative verify steps: decode graphs at row counts).
 """
 
 from .base import BaseGraphRunner, EmulatedGraph, GraphDeps, InputRows, capture_cuda, capture_emulated
 from .decode import DECODE_INPUTS, DecodeGraphRunner, DecodeOutput, SampleOutput
 from .prefill import PrefillGraphRunner, PrefillOutput
 from .sizes import DEFAULT_MAX_BS, DEFAULT_MAX_PREFILL, MAX_PREFILL_REQS, capture_sizes, prefill_sizes
+from .verify import VerifyGraphRunner
 
 __all__ = [
     "DECODE_INPUTS",
@@ -40,6 +41,7 @@ __all__ = [
     "PrefillGraphRunner",
     "PrefillOutput",
     "SampleOutput",
+    "VerifyGraphRunner",
     "capture_cuda",
     "capture_emulated",
     "capture_sizes",

@@ -103,8 +103,8 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         return runner
 
     def can_run(self, batch: Batch) -> bool:
-        # a verify step runs eagerly: its rows of one request must store their K/V before any attends,
-        # which the captured decode kernels (rotary and the store inside attention) do not guarantee
+        # a verify step is VerifyGraphRunner's: its rows of one request must store their K/V before any
+        # attends, which the captured decode kernels (rotary and the store inside attention) do not do
         return batch.is_decode and batch.size <= self.max_bs and batch.drafts is None
 
     def _size_of(self, batch: Batch) -> int:
