@@ -211,10 +211,10 @@ class Scheduler:
             self._admit_compiled()
         batch = self._schedule()
         out = fwd = None
+        start = time.perf_counter()
         if batch is not None and batch.grammar_rows is not None:
             fwd = self._launch_forward(batch)  # its masks need the tokens of the step in flight
         elif batch is not None and self._times_steps(batch):
-            start = time.perf_counter()
             out = self._launch(batch)
             out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
             self.step_costs.add(batch.size, time.perf_counter() - start)
@@ -226,6 +226,9 @@ class Scheduler:
             self._in_flight = None
         if fwd is not None:
             out = self._launch_sample(batch, fwd)
+            if self._times_steps(batch):  # nothing was in flight: speculation drains before a decode step
+                out.wait()
+                self.step_costs.add(batch.size, time.perf_counter() - start)
         if batch is None and not results and self.grammar.compiling:
             self.grammar.wait(0.05)  # nothing to run until a grammar is compiled: do not spin
         if out is not None:
@@ -451,10 +454,8 @@ class Scheduler:
         for r in reqs:
             if r.spec is None:
                 r.spec = SpecState()
-            # no proposals under a grammar (the masks follow the matcher one token a step), nor beyond the
-            # request's last position
-            room = r.max_total_len - r.device_len - 1
-            rooms.append(room if r.grammar is None and room > 0 and r.spec.ready() else 0)
+            room = r.max_total_len - r.device_len - 1  # no proposals beyond the request's last position
+            rooms.append(room if room > 0 and r.spec.ready() else 0)
         if self.config.tp_info.size > 1:
             ks = [min(r.spec.k(max_k), room) for r, room in zip(reqs, rooms)]
         else:  # the k of the most expected tokens per second of the step
@@ -465,6 +466,8 @@ class Scheduler:
                         r.spec.pause()
             ks = [min(k or 0, room) for room in rooms]
         drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
+        # under a grammar, only the proposals it accepts (the matchers are exact: the step was drained)
+        drafts = [d if r.grammar is None else self.grammar.allowed_drafts(r, d) for r, d in zip(reqs, drafts)]
         if not any(drafts):
             return None
         ps = self.page_size
