@@ -446,8 +446,9 @@ def test_service_speculates_and_reports_acceptance_in_metrics(tmp_path, default_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_verify_steps_equal_hf_with_graphs_on(tiny_model_dirs, hf_reference, page_size):
-    """On CUDA (Triton attention, decode and prefill graphs on, overlap on): verify steps run eagerly with
-    the store-then-attend plan between graph-replayed decode steps; greedy output equals Hugging Face."""
+    """On CUDA (Triton attention, decode, verify and prefill graphs on, overlap on): verify steps replay
+    the verify graphs (store-then-attend plan) between decode graph replays; greedy output equals Hugging
+    Face."""
     name = "llama"
     ref = hf_reference(name)
     prompts = _prompts(733)
@@ -460,4 +461,26 @@ def test_triton_verify_steps_equal_hf_with_graphs_on(tiny_model_dirs, hf_referen
             assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"prompt {i}")
         assert llm.stats()["spec_accepted_tokens"] > 0
         assert llm.scheduler.engine.graph_runner is not None
+        assert llm.scheduler.engine.verify_graphs.replays > 0
         assert_all_kv_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_sampling_in_cuda_verify_graphs_equals_the_plain_path(tiny_model_dirs):
+    """On CUDA, seeded sampled requests sampled in the verify graphs' sampling graphs give the tokens they
+    give without speculation."""
+    prompts = _prompts(733)
+    params = [
+        SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=31 + i, top_p=0.9)
+        for i in range(len(prompts))
+    ]
+    kw = {"dtype": torch.float32, "attn": "triton", "num_page_override": 4096, "show_progress": False}
+    outs = {}
+    for spec in (None, "ngram"):
+        with make_llm(tiny_model_dirs["llama"], device="cuda", speculative=spec, **kw) as llm:
+            always_propose(llm)
+            outs[spec] = [o["token_ids"] for o in llm.generate(prompts, params)]
+            if spec:
+                assert llm.scheduler.engine.verify_graphs.sample_replays > 0
+    assert outs["ngram"] == outs[None]
