@@ -310,7 +310,7 @@ class Batch:
     # (rows, positions, slots): page-table entries the engine writes before the forward; decode's are
     # (table_idx, positions, out_loc), and its input ids are read from the token pool by the engine
     pt_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # decode: [4, batch] int32, one row per field of engine/graph.py DecodeInputs, in its order
+    # decode: [4, batch] int32, one row per field of engine/graph DECODE_INPUTS, in its order
     graph_inputs: torch.Tensor | None = None
     # sampling: which flat rows give logits, and where each sampled token goes in the token pool
     logits_idx: torch.Tensor | None = None  # [num_sampled] (None in decode: every row samples)

@@ -290,3 +290,76 @@ def test_token_mask_sets_exactly_the_disallowed_logits_of_its_rows(device, rows)
     expected = _mask_reference(logits, allowed)
     apply_token_mask(logits, TokenMask(bits, index, rows))
     assert torch.equal(logits.cpu(), expected.cpu())
+
+
+# ---- with speculative decoding ------------------------------------------------------------------------
+def _bits(matcher) -> torch.Tensor:
+    bits = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.fill_next_token_bitmask(bits, 0)
+    return bits
+
+
+def test_proposals_are_cut_at_the_first_token_the_grammar_rejects_or_that_completes_it(reference):
+    from minisgl.core import Req
+    from minisgl.scheduler.grammar import GrammarManager
+
+    tok, compiler = reference
+    req = Req(uid=0, token_ids=[1], sampling_params=SamplingParams())
+    req.grammar = xgr.GrammarMatcher(_compile(compiler, "regex", REGEX))
+    start = _bits(req.grammar)
+    yes = tok.encode("yes 12", add_special_tokens=False)
+    bad = tok.encode("x", add_special_tokens=False)
+    assert GrammarManager.allowed_drafts(req, yes + bad + yes) == yes
+    assert GrammarManager.allowed_drafts(req, bad + yes) == []
+    assert GrammarManager.allowed_drafts(req, yes + [EOS, 5]) == yes  # EOS completes it: the target's
+    assert torch.equal(_bits(req.grammar), start)  # each check leaves the matcher where it was
+    assert all(req.grammar.accept_token(t) for t in yes)
+
+
+def test_a_verify_steps_rows_get_the_masks_after_the_proposals_before_them(reference):
+    """One request's three rows checking two proposals: row i's mask is a fresh matcher's after the first
+    i proposals; the request's matcher ends where it started."""
+    from minisgl.core import Req
+    from minisgl.grammar import TokenMasks
+
+    tok, compiler = reference
+    compiled = _compile(compiler, "json_schema", json.dumps(SCHEMA))
+    req = Req(uid=0, token_ids=[1], sampling_params=SamplingParams())
+    req.grammar = xgr.GrammarMatcher(compiled)
+    proposals = tok.encode('{"name', add_special_tokens=False)[:2]
+    assert len(proposals) == 2
+    mask = TokenMasks(VOCAB, torch.device("cpu")).fill([req] * 3, [0, 1, 2], 3, [*proposals, -1])
+    judge = xgr.GrammarMatcher(compiled)
+    for i in range(3):
+        assert torch.equal(mask.bits[i], _bits(judge)[0]), f"row {i}"
+        if i < 2:
+            assert judge.accept_token(proposals[i])
+    assert torch.equal(_bits(req.grammar), _bits(xgr.GrammarMatcher(compiled)))
+
+
+def test_speculation_under_a_grammar_gives_the_plain_constrained_output(model_dir, reference, monkeypatch):
+    """`--speculative ngram` with constrained requests whose prompts hold text of their grammar (so the
+    proposals are often right, often cut by the grammar): the output equals the constrained output without
+    speculation token for token, greedy and seeded, and every output is inside its grammar."""
+    from minisgl.scheduler.speculative import SpecState
+
+    tok, _ = reference
+    texts = [
+        json.dumps({"name": f"it{i}", "kind": "abc"[i], "tags": [True], "size": {"w": 7 * i, "h": False}})
+        for i in range(3)
+    ] + ["yes 12 no 345 yes 12", "[1,2] [34] [1,2]"]
+    prompts = [tok.encode(t + " " + t, add_special_tokens=False) for t in texts]
+    kinds = [{"json_schema": SCHEMA}] * 3 + [{"regex": REGEX}, {"ebnf": EBNF}]
+    params = [SamplingParams(**k, max_tokens=96) for k in kinds]
+    params[1] = SamplingParams(**kinds[1], temperature=1.0, seed=4, max_tokens=96)
+    monkeypatch.setattr(SpecState, "update", lambda self, proposed, accepted: None)  # never rests
+    outs = {}
+    for spec in (None, "ngram"):
+        with make_llm(model_dir, **tiny_llm_kwargs(speculative=spec, num_speculative_tokens=5)) as llm:
+            llm.scheduler.step_costs.best_k = lambda hits, n, max_k: max_k  # always propose
+            outs[spec] = llm.generate(prompts, params)
+            stats = llm.stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_verify_steps"] > 0, stats
+    assert [o["token_ids"] for o in outs["ngram"]] == [o["token_ids"] for o in outs[None]]
+    for p, out in zip(params, outs["ngram"]):
+        check_output(reference, p, out)

@@ -1,6 +1,7 @@
 """The graph runners: decode replay equals the eager forward, batches are padded to a captured size, every
 input is copied before each replay, and padding rows write nothing but the dummy KV slot; when each
-runner is off.
+runner is off. A verify step (rows of one request checking proposals) replays its own graph and equals its
+eager forward.
 
 On a CPU the graphs are emulated (their replay reads only the fixed input buffers, like a CUDA graph), with
 the torch backend (metadata recomputed from the buffers at replay) and with the Triton backend (its own
@@ -20,7 +21,13 @@ if not torch.cuda.is_available():  # must be set before Triton is first imported
 from minisgl.attention import BaseAttnBackend
 from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.engine import DECODE_INPUTS, Engine, EngineConfig, SamplingInfo
-from minisgl.engine.graph import DecodeGraphRunner, PrefillGraphRunner, capture_sizes, prefill_sizes
+from minisgl.engine.graph import (
+    DecodeGraphRunner,
+    PrefillGraphRunner,
+    VerifyGraphRunner,
+    capture_sizes,
+    prefill_sizes,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -343,3 +350,72 @@ def test_a_penalised_greedy_batch_replaces_the_graphs_argmax(engine, runner):
     out = engine.forward_batch(batch)
     assert torch.equal(out.next_tokens, want)
     assert torch.equal(engine.token_pool[batch.table_idx, batch.sample_pos], want)
+
+
+# ---- verify graphs ------------------------------------------------------------------------------------
+def verify_batch(engine: Engine, proposals: list[int], seed: int) -> Batch:
+    """A verify step as the scheduler builds one: request A (page-table row 0, 6 tokens cached before its
+    rows) checks `proposals` in the rows after its last token, request B (row 1, 10 cached) none; a
+    request's rows share its page-table row and write the proposals into the token pool where the next
+    row reads its input."""
+    g = torch.Generator().manual_seed(seed)
+    reqs, positions, out_loc, rows, drafts, page = [], [], [], [], [], 0
+    for row, (cached, mine) in enumerate([(6, proposals), (10, [])]):
+        n = cached + len(mine) + 1
+        slots = torch.arange(page * PAGE, page * PAGE + n, dtype=torch.int32)
+        page += -(-n // PAGE)
+        engine.page_table[row, :n] = slots.to(DEVICE)
+        engine.token_pool[row, cached] = int(torch.randint(0, VOCAB, (1,), generator=g))
+        req = Req(row, [0], SamplingParams())
+        for p in range(cached, n):
+            reqs.append(req)
+            positions.append(p)
+            out_loc.append(int(slots[p]))
+            rows.append(row)
+        drafts += [*mine, -1]
+    batch = Batch(reqs, Phase.DECODE, positions, [1] * len(reqs), [True] * len(reqs))
+    batch.drafts = drafts
+
+    def dev(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    batch.positions, batch.out_loc, batch.table_idx = dev(positions), dev(out_loc), dev(rows)
+    batch.seq_lens_t = dev([p + 1 for p in positions])
+    has = [t >= 0 for t in drafts]
+    batch.draft_writes = (
+        dev([r if h else engine.dummy_row for r, h in zip(rows, has)]),
+        dev([p + 1 if h else 0 for p, h in zip(positions, has)]),
+        dev([t if h else 0 for t, h in zip(drafts, has)]),
+    )
+    return batch
+
+
+@pytest.fixture(scope="module")
+def verify_runner(engine) -> VerifyGraphRunner:
+    engine.capture_verify_graphs(3)  # rows 1, 2 and 4: the decode sizes up to the first that holds 3
+    assert engine.verify_graphs is not None
+    return engine.verify_graphs
+
+
+def test_verify_steps_replay_their_own_graph_and_equal_eager(engine, runner, verify_runner):
+    """A verify step of 3 rows (padded to 4) then one of 4 with other proposals: each replay equals the
+    eager forward of the same step (so the proposals, read from the graph's fixed buffer, are the inputs of
+    the rows after them), and the KV pool ends the same but for the dummy slot; the decode graphs do not take a verify step."""
+    assert verify_runner.sizes == [1, 2, 4]
+    start = kv_state(engine)
+    for proposals, padded in [([7], 4), ([50, 60], 4)]:
+        batch = verify_batch(engine, proposals, seed=len(proposals))
+        assert verify_runner.can_run(batch) and not runner.can_run(batch)
+        want, want_kv = eager_from(engine, batch, start)
+        w_rows, w_pos, _ = (t.long() for t in batch.draft_writes)
+        engine.token_pool[w_rows, w_pos] = 0  # the replay must put the proposals there itself
+        got = replay(verify_runner, batch)
+        assert batch.padded_size == padded
+        _close(got[: batch.size], want)
+        real = slice(
+            0, verify_runner.dummy_slot
+        )  # padding rows write the dummy slot, the eager step does not
+        _close(kv_state(engine)[:, :, real], want_kv[:, :, real])
+        set_kv_state(engine, start)
+    plain = batch_a(engine)
+    assert runner.can_run(plain) and not verify_runner.can_run(plain)

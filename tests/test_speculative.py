@@ -82,13 +82,33 @@ def test_k_is_the_one_of_the_most_expected_tokens_per_second():
     # one request, by hand: expected tokens 1 + h + ... + h^k over the step's milliseconds
     assert costs.best_k([0.7], 1, 8) == 2  # 2.19 / 8 beats 1.7 / 6.6, 2.53 / 12, 2.94 / 14, ...
     assert costs.best_k([0.97], 1, 8) == 5  # 5.71 / 14 beats 3.91 / 12, 2.91 / 8 and 7.99 / 26
-    assert costs.best_k([0.97], 1, 10) == 10  # 10 and 11 rows not timed yet: assumed cheap, tried
+    # 10 and 11 rows not timed: on the line through 8 and 9 rows (27 and 28 ms), not assumed cheap
+    assert costs.best_k([0.97], 1, 10) == 5
     assert costs.best_k([0.0], 1, 8) == 0  # nothing is ever accepted: a decode step
     # two requests (a decode step: 2 rows, 6.6 ms), one of which may propose: 2 + h + ... over 2 + k rows
     assert costs.best_k([0.8], 2, 6) == 1  # 2.8 / 8 beats 2 / 6.6, 3.44 / 12, 4.36 / 14
     assert costs.best_k([0.3], 2, 6) == 0  # 2.3 / 8 does not beat 2 / 6.6
     costs.add(3, 0.0)  # timings are exponential averages: one fast 3-row step moves it to 6.4 ms
     assert costs.best_k([0.3], 2, 6) == 1
+
+
+def test_untimed_row_counts_cost_what_the_timed_ones_around_them_say():
+    costs = StepCosts()
+    assert costs.cost(3) is None
+    costs.add(1, 0.010)
+    assert costs.cost(3) == pytest.approx(0.015)  # one count timed: a quarter of it per extra row
+    costs.add(5, 0.018)
+    assert costs.cost(3) == pytest.approx(0.014)  # between 1 and 5 rows
+    assert costs.cost(9) == pytest.approx(0.026)  # on the line through 1 and 5 rows
+    costs.add(7, 0.015)
+    assert costs.cost(6) == pytest.approx(0.0165)
+    assert costs.cost(9) == pytest.approx(0.015)  # the line through 5 and 7 falls: flat instead
+    # a decode step of 0.84 ms and a verify step of 2 rows of 12.5 ms (no graphs for it): 3 and more rows
+    # are not tried as if they were cheap
+    slow = StepCosts()
+    slow.add(1, 0.00084)
+    slow.add(2, 0.0125)
+    assert slow.best_k([0.9], 1, 8) == 0
 
 
 def test_a_request_that_is_paused_rests_then_tries_again():
@@ -165,6 +185,37 @@ def test_greedy_speculation_equals_hf_batched_chunked_and_cached(tiny_model_dirs
         stats = llm.stats()
         assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
         assert stats["prompt_tokens"] > stats["computed_prompt_tokens"] or stats["cached_prompt_tokens"] > 0
+
+
+def test_verify_steps_replay_graphs_and_equal_hf_and_the_plain_path(tiny_model_dirs, hf_reference):
+    """With graphs (emulated on a CPU: a replay reads only the graphs' fixed buffers) verify steps replay
+    the verify graphs, batched and padded to a captured row count: greedy output equals Hugging Face, and
+    seeded sampled requests (sampled in the verify graphs' sampling graphs) give the tokens they give
+    without speculation and without graphs."""
+    name = "llama"
+    ref = hf_reference(name)
+    prompts = _prompts(733)[:4]
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seeded = [
+        SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=21 + i, top_k=40)
+        for i in range(len(prompts))
+    ]
+    spec = {"speculative": "ngram", "num_speculative_tokens": 3, "speculative_max_batch": 4}
+    with make_llm(
+        tiny_model_dirs[name], **tiny_llm_kwargs(cuda_graph_max_bs=16, sampler="fused"), **spec
+    ) as llm:
+        always_propose(llm)
+        outs = llm.generate(prompts, greedy)
+        sampled = [o["token_ids"] for o in llm.generate(prompts, seeded)]
+        verify = llm.scheduler.engine.verify_graphs
+        assert verify.sizes == [1, 2, 4, 8, 16]  # 4 requests x (3 + 1) rows at most
+        assert verify.replays > 0 and verify.sample_replays > 0
+        assert llm.stats()["spec_accepted_tokens"] > 0
+        assert_all_kv_free(llm)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"prompt {i}")
+    with make_llm(tiny_model_dirs[name], **tiny_llm_kwargs(sampler="fused")) as llm:
+        assert [o["token_ids"] for o in llm.generate(prompts, seeded)] == sampled
 
 
 @pytest.mark.parametrize("attn", ["torch", "cpu"])  # cpu: the one-call C decode step verifies
@@ -395,8 +446,9 @@ def test_service_speculates_and_reports_acceptance_in_metrics(tmp_path, default_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_verify_steps_equal_hf_with_graphs_on(tiny_model_dirs, hf_reference, page_size):
-    """On CUDA (Triton attention, decode and prefill graphs on, overlap on): verify steps run eagerly with
-    the store-then-attend plan between graph-replayed decode steps; greedy output equals Hugging Face."""
+    """On CUDA (Triton attention, decode, verify and prefill graphs on, overlap on): verify steps replay
+    the verify graphs (store-then-attend plan) between decode graph replays; greedy output equals Hugging
+    Face."""
     name = "llama"
     ref = hf_reference(name)
     prompts = _prompts(733)
@@ -409,4 +461,26 @@ def test_triton_verify_steps_equal_hf_with_graphs_on(tiny_model_dirs, hf_referen
             assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"prompt {i}")
         assert llm.stats()["spec_accepted_tokens"] > 0
         assert llm.scheduler.engine.graph_runner is not None
+        assert llm.scheduler.engine.verify_graphs.replays > 0
         assert_all_kv_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_sampling_in_cuda_verify_graphs_equals_the_plain_path(tiny_model_dirs):
+    """On CUDA, seeded sampled requests sampled in the verify graphs' sampling graphs give the tokens they
+    give without speculation."""
+    prompts = _prompts(733)
+    params = [
+        SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=31 + i, top_p=0.9)
+        for i in range(len(prompts))
+    ]
+    kw = {"dtype": torch.float32, "attn": "triton", "num_page_override": 4096, "show_progress": False}
+    outs = {}
+    for spec in (None, "ngram"):
+        with make_llm(tiny_model_dirs["llama"], device="cuda", speculative=spec, **kw) as llm:
+            always_propose(llm)
+            outs[spec] = [o["token_ids"] for o in llm.generate(prompts, params)]
+            if spec:
+                assert llm.scheduler.engine.verify_graphs.sample_replays > 0
+    assert outs["ngram"] == outs[None]

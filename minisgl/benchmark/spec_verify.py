@@ -5,7 +5,7 @@
 
 One request with a prompt of --context tokens decodes; each step proposes exactly k tokens (a fixed
 proposer: the tokens are arbitrary, so they are rejected, which changes nothing in the step's cost), k
-from 0 (a plain decode step: a CUDA graph on a GPU) to --max-k. Each step is timed from launch to its
+from 0 (a plain decode step) to --max-k; on a GPU each replays a CUDA graph (decode or verify graphs). Each step is timed from launch to its
 tokens on the host; the median of --steps steps per k is reported, and its ratio to the decode step.
 """
 
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         load_format=args.load_format,
         show_progress=False,
         speculative="ngram",
-        num_speculative_tokens=16,
+        num_speculative_tokens=max(1, args.max_k),
+        speculative_max_batch=1,  # verify graphs for one request's k + 1 rows
     )
     sched, engine = llm.scheduler, llm.scheduler.engine
     proposer = FixedProposer()
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         what = "decode" if k == 0 else f"verify k={k}"
         print(f"  {what}: {1000 * t:.2f} ms, {t / decode:.2f}x a decode step ({k + 1} tokens at most)")
     if torch.cuda.is_available():
-        print(f"# {torch.cuda.get_device_name()}")
+        verify = engine.verify_graphs
+        graphs = f"verify graphs: {verify.replays} replays" if verify is not None else "no verify graphs"
+        print(f"# {torch.cuda.get_device_name()}, {graphs}")
     llm.shutdown()
 
 

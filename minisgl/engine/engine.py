@@ -34,7 +34,7 @@ from minisgl.utils.hf import load_hf_config, pooling_of
 
 from .config import EngineConfig
 from .cpu_step import CpuDecodeStep
-from .graph import DecodeGraphRunner, GraphDeps, PrefillGraphRunner
+from .graph import DecodeGraphRunner, GraphDeps, PrefillGraphRunner, VerifyGraphRunner
 from .sampler import Sampler
 from .weight_loading import load_model_weights, resident_weight_bytes
 
@@ -56,11 +56,12 @@ class ForwardOutput:
 
 @dataclass
 class Logits:
-    """What `Engine.forward` launched: the sampled rows' logits [S, V] on the device, and a decode
-    graph's greedy tokens of them (already in the token pool), None elsewhere."""
+    """What `Engine.forward` launched: the sampled rows' logits [S, V] on the device, and a decode or
+    verify graph's greedy tokens of them (already in the token pool) and its runner, None elsewhere."""
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None
+    graphs: DecodeGraphRunner | None = None
     prompt: tuple | None = None  # Batch.prompt_rows reduced (prompt_logprobs), on the device
     embed: torch.Tensor | None = None  # Batch.embed_rows summed per embedding request, on the device
 
@@ -174,7 +175,7 @@ class Engine:
         fused = config.sampler == "fused" or (config.sampler == "auto" and is_cuda(self.device))
         self.sampler = Sampler(self.device, self.token_pool, fused=fused)
         self._host_tokens = HostRing(self.device)  # pinned buffers the sampled tokens are copied into
-        self.graph_runner = self.prefill_graphs = None
+        self.graph_runner = self.prefill_graphs = self.verify_graphs = None
         before = torch.cuda.memory_reserved(self.device) if is_cuda(self.device) else 0
         self._init_graphs()
         graphs = torch.cuda.memory_reserved(self.device) - before if is_cuda(self.device) else 0
@@ -311,6 +312,10 @@ class Engine:
             graphs_off=cfg.cuda_graph_max_bs == 0,  # "graphs off" means decode and prefill
         )
 
+    def capture_verify_graphs(self, max_rows: int) -> None:
+        """Graphs for speculative verify steps of up to `max_rows` rows, where decode steps have graphs."""
+        self.verify_graphs = VerifyGraphRunner.create(self.graph_runner, max_rows)
+
     # ---- compute ---------------------------------------------------------------------------------
     def prepare_inputs(self, batch: Batch) -> None:
         """The device side of a step's inputs: write the new page-table entries (a decode step's are
@@ -336,9 +341,10 @@ class Engine:
         (a decode graph also writes its greedy tokens into the token pool). The scheduler calls the
         halves apart when the batch has rows under a grammar: their masks need the previous step's tokens."""
         set_global_ctx(self.ctx)  # the layers read this engine's Context, even if another was built since
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            out = self.graph_runner.replay(batch)  # the greedy tokens are in the token pool already
-            return Logits(out.logits[: batch.size], out.tokens[: batch.size])
+        for graphs in (self.graph_runner, self.verify_graphs):
+            if graphs is not None and graphs.can_run(batch):
+                out = graphs.replay(batch)  # the greedy tokens are in the token pool already
+                return Logits(out.logits[: batch.size], out.tokens[: batch.size], graphs)
         prompt_rows = batch.prompt_rows
         eager = prompt_rows is not None or batch.embed_rows is not None  # a prefill graph keeps no hidden
         if not eager and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
@@ -373,9 +379,9 @@ class Engine:
             apply_token_mask(logits, mask)  # in place: the logprobs are those of the masked rows too
         if fwd.greedy is not None and info.all_greedy and mask is None:
             next_tokens = fwd.greedy
-        elif fwd.greedy is not None and self.graph_runner.can_sample(info):
+        elif fwd.graphs is not None and fwd.graphs.can_sample(info):
             # the batch's own sampling graph, over the decode graph's logits buffer (masked in place)
-            next_tokens = self.graph_runner.replay_sampling(batch, info)
+            next_tokens = fwd.graphs.replay_sampling(batch, info)
         else:
             next_tokens = self._sample(logits, batch)
         buf, slot = self._host_tokens.take(next_tokens.numel())
@@ -408,7 +414,7 @@ class Engine:
 
     def shutdown(self) -> None:
         synchronize(self.device)
-        self.graph_runner = self.prefill_graphs = self.cpu_step = None
+        self.graph_runner = self.prefill_graphs = self.verify_graphs = self.cpu_step = None
         set_global_ctx(None)
         for name in ("model", "kv_pool", "page_table", "token_pool", "attn_backend", "ctx"):
             if hasattr(self, name):

@@ -47,9 +47,13 @@ class TokenMasks:
         self.threads = 1 if device.type == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
         self._batch: Any = None  # xgrammar BatchGrammarMatcher, made at the first large batch
 
-    def fill(self, reqs: list[Req], rows: list[int], num_sampled: int) -> TokenMask:
+    def fill(
+        self, reqs: list[Req], rows: list[int], num_sampled: int, drafts: list[int] | None = None
+    ) -> TokenMask:
         """The mask of sampled rows `rows` (their requests `reqs`, in order) of a batch sampling
-        `num_sampled` rows. A finished request's row (its token will be discarded) allows everything."""
+        `num_sampled` rows. A finished request's row (its token will be discarded) allows everything.
+        A verify step gives each row's proposal (`drafts`, -1 at a request's last row): a request's rows
+        are consecutive, and each row's mask is the one after the proposals of the rows before it."""
         n = len(rows)
         buf, slot = self._ring.take(n * self.width)
         bits = buf[: n * self.width].view(n, self.width)
@@ -59,7 +63,9 @@ class TokenMasks:
                 bits[k].fill_(-1)
             else:
                 live.append(k)
-        if self.threads > 1 and len(live) >= BATCH_FILL_MIN:
+        if drafts is not None:
+            _fill_ahead(reqs, drafts, bits, set(live))
+        elif self.threads > 1 and len(live) >= BATCH_FILL_MIN:
             if self._batch is None:
                 self._batch = load_xgrammar().BatchGrammarMatcher(self.threads)
             self._batch.batch_fill_next_token_bitmask([reqs[k].grammar for k in live], bits, live)
@@ -73,6 +79,25 @@ class TokenMasks:
         if not every and self.device.type != "cpu":
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return TokenMask(dev, index, list(range(n)) if every else rows)
+
+
+def _fill_ahead(reqs: list[Req], drafts: list[int], bits: torch.Tensor, live: set[int]) -> None:
+    """Fill a verify step's rows: after each row the matcher accepts the row's proposal, and at the
+    request's last row it rolls back the proposals, so it ends where it started (the tokens kept are
+    accepted once the step's result is known)."""
+    ahead = 0
+    for k, req in enumerate(reqs):
+        if k not in live:
+            continue
+        req.grammar.fill_next_token_bitmask(bits, k)
+        if drafts[k] >= 0:
+            # the scheduler kept only proposals the grammar accepts (GrammarManager.allowed_drafts)
+            accepted = req.grammar.accept_token(drafts[k])
+            assert accepted, f"request {req.uid}: proposal {drafts[k]} is outside its grammar"
+            ahead += 1
+        elif ahead:
+            req.grammar.rollback(ahead)
+            ahead = 0
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:

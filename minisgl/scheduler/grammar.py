@@ -113,11 +113,28 @@ class GrammarManager:
 
     def mask(self, batch: Batch) -> TokenMask:
         """The batch's token mask, from the matchers' state now (call after the previous step's tokens
-        were accepted)."""
+        were accepted). A verify step's row after proposals gets the mask after them."""
         rows = batch.grammar_rows
         assert rows is not None
         sampled = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
-        return self.masks.fill([sampled[i] for i in rows], rows, len(sampled))
+        drafts = None if batch.drafts is None else [batch.drafts[i] for i in rows]
+        return self.masks.fill([sampled[i] for i in rows], rows, len(sampled), drafts)
+
+    @staticmethod
+    def allowed_drafts(req: Req, draft: list[int]) -> list[int]:
+        """The longest start of a constrained request's proposals that its grammar accepts without
+        completing (a completing token is the target's to sample); the matcher is left as it was."""
+        matcher, n, keep = req.grammar, 0, 0
+        for token in draft:
+            if not matcher.accept_token(token):
+                break
+            n += 1
+            if matcher.is_terminated():
+                break
+            keep = n
+        if n:
+            matcher.rollback(n)
+        return draft[:keep]
 
     def shutdown(self) -> None:
         if self.compiler is not None:

@@ -79,7 +79,9 @@ class Scheduler:
         )
         self.output = OutputProcessor(self.eos_token_ids, pooling, self._end)
         self.retraction = Retraction(self.cache, self.decode, self.prefill, self._release)
-        self.verifier = Verifier(config, self.cache, self.batches, self.engine, self.output.emit)
+        self.verifier = Verifier(
+            config, self.cache, self.batches, self.engine, self.output.emit, self.grammar
+        )
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._pending_outputs: list[StepOutput] = []
         self._chunk_left = False  # the last prefill step left a prompt's chunk for later
@@ -154,10 +156,11 @@ class Scheduler:
             self._admit_compiled()
         batch = self._schedule()
         out = fwd = None
+        start = time.perf_counter()
+        timed = batch is not None and self.verifier.times_steps(batch, len(self.decode.running))
         if batch is not None and batch.grammar_rows is not None:
             fwd = self.launcher.launch_forward(batch)  # its masks need the tokens of the step in flight
-        elif batch is not None and self.verifier.times_steps(batch, len(self.decode.running)):
-            start = time.perf_counter()
+        elif timed:
             out = self.launcher.launch(batch)
             out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
             self.verifier.step_costs.add(batch.size, time.perf_counter() - start)
@@ -169,6 +172,9 @@ class Scheduler:
             self._in_flight = None
         if fwd is not None:
             out = self.launcher.launch_sample(batch, fwd, self.grammar.mask)
+            if timed:  # nothing was in flight: speculation drains before a decode step
+                out.wait()
+                self.verifier.step_costs.add(batch.size, time.perf_counter() - start)
         if batch is None and not results and self.grammar.compiling:
             self.grammar.wait(0.05)  # nothing to run until a grammar is compiled: do not spin
         if out is not None:

@@ -37,7 +37,9 @@ POOR, REST, TRY_AGAIN = 0.15, 16, 0.4
 
 
 COST_SMOOTHING = 0.2
-UNMEASURED_ROW = 0.25  # an unmeasured step's cost per extra row, in decode steps of one row (optimistic)
+# the cost of an extra row while only one row count is timed, in decode steps of one row: optimistic, so that a
+# verify step gets tried; once two row counts are timed, the others are interpolated from them
+UNMEASURED_ROW = 0.25
 
 
 @dataclass
@@ -79,7 +81,8 @@ class SpecState:
 
 class StepCosts:
     """Seconds of a decode or verify step by its rows, exponential averages of the steps run while few
-    requests decode (the only steps that may speculate)."""
+    requests decode (the only steps that may speculate). A row count not timed yet costs what the timed
+    ones around it say (`cost`)."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
@@ -88,21 +91,42 @@ class StepCosts:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
 
+    def cost(self, rows: int) -> float | None:
+        """Seconds of a step of `rows` rows: as timed; else on the line between the nearest timed row
+        counts below and above; above every timed one, on the line through the two largest (never
+        falling), or with one timed count c, UNMEASURED_ROW of c's cost per row for each extra row.
+        None when nothing is timed."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = [r for r in self.seconds if r < rows]
+        above = [r for r in self.seconds if r > rows]
+        if not below:
+            return self.seconds[min(above)] if above else None
+        r0 = max(below)
+        if above:
+            r1 = min(above)
+        elif len(below) > 1:
+            r1, r0 = r0, max(r for r in below if r < r0)
+        else:
+            return self.seconds[r0] * (1 + UNMEASURED_ROW * (rows - r0) / r0)
+        slope = (self.seconds[r1] - self.seconds[r0]) / (r1 - r0)
+        if not above:  # past the largest timed count: from it, never falling
+            return self.seconds[r1] + max(slope, 0.0) * (rows - r1)
+        return self.seconds[r0] + slope * (rows - r0)
+
     def best_k(self, hits: list[float], n: int, max_k: int) -> int | None:
         """For a step of n requests, `hits` those that may propose (their chance that a proposal after
         accepted ones is accepted): the k of the most expected tokens per second, each proposing request
-        expecting 1 + h + ... + h^k over a step of n + k * len(hits) rows; 0 when a plain decode step is
-        best; None when a decode step of n rows was never timed (run one first). A row count not timed
-        yet is assumed cheap, so that it gets tried."""
+        expecting 1 + h + ... + h^k over a step of n + k * len(hits) rows (`cost`); 0 when a plain decode
+        step is best; None when a decode step of n rows was never timed (run one first)."""
         decode = self.seconds.get(n)
         if decode is None:
             return None
         best, best_rate, tokens = 0, n / decode, float(n)
         for k in range(1, max_k + 1):
             tokens += sum(h**k for h in hits)
-            rows = n + k * len(hits)
-            cost = self.seconds.get(rows, decode * (1 + UNMEASURED_ROW * (rows - n) / n))
-            if tokens / cost > best_rate:
+            cost = self.cost(n + k * len(hits))
+            if cost > 0 and tokens / cost > best_rate:
                 best, best_rate = k, tokens / cost
         return best
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .batch_builder import BatchBuilder
     from .cache import CacheManager
     from .config import SchedulerConfig
+    from .grammar import GrammarManager
     from .output import StepOutput
 
 
@@ -31,8 +32,10 @@ class Verifier:
         batches: BatchBuilder,
         engine: Engine,
         emit: Callable[[Req, int, int, tuple | None], StepOutput],
+        grammar: GrammarManager,
     ) -> None:
         self.config, self.cache, self.batches, self.engine = config, cache, batches, engine
+        self.grammar = grammar  # a constrained request's proposals are cut where its grammar rejects them
         self.page_size = config.page_size
         self.emit = emit  # gives a request one of the step's tokens (OutputProcessor.emit)
         self.proposer = None  # speculative decoding (scheduler/speculative.py), None when off
@@ -40,6 +43,8 @@ class Verifier:
             self.proposer = create_proposer(
                 config.speculative, config.speculative_ngram_min, config.speculative_ngram_max
             )
+            # a verify step has up to k + 1 rows for each of at most speculative_max_batch requests
+            engine.capture_verify_graphs(config.speculative_max_batch * (config.num_speculative_tokens + 1))
         self.spec_proposed = self.spec_accepted = self.spec_steps = 0
         self.step_costs = StepCosts()  # a lone request's steps by rows: what its k is chosen from
 
@@ -69,10 +74,8 @@ class Verifier:
         for r in reqs:
             if r.spec is None:
                 r.spec = SpecState()
-            # no proposals under a grammar (the masks follow the matcher one token a step), nor beyond the
-            # request's last position
-            room = r.max_total_len - r.device_len - 1
-            rooms.append(room if r.grammar is None and room > 0 and r.spec.ready() else 0)
+            room = r.max_total_len - r.device_len - 1  # no proposals beyond the request's last position
+            rooms.append(room if room > 0 and r.spec.ready() else 0)
         if self.config.tp_info.size > 1:
             ks = [min(r.spec.k(max_k), room) for r, room in zip(reqs, rooms)]
         else:  # the k of the most expected tokens per second of the step
@@ -83,6 +86,8 @@ class Verifier:
                         r.spec.pause()
             ks = [min(k or 0, room) for room in rooms]
         drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
+        # under a grammar, only the proposals it accepts (the matchers are exact: the step was drained)
+        drafts = [d if r.grammar is None else self.grammar.allowed_drafts(r, d) for r, d in zip(reqs, drafts)]
         if not any(drafts):
             return None
         ps = self.page_size
