@@ -73,6 +73,10 @@ class BaseAttnBackend(ABC):
         """Under the plan's whole_layer: the attention arguments of kernel.decode_layer for this layer."""
         raise NotImplementedError(f"{type(self).__name__} does not run whole layers")
 
+    def step_inputs(self, batch: Batch) -> dict:
+        """Under the plan's whole_step: the pool and index arguments of kernel.decode_step."""
+        raise NotImplementedError(f"{type(self).__name__} does not run whole steps")
+
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
@@ -116,6 +120,9 @@ class HybridBackend(BaseAttnBackend):
 
     def layer_inputs(self, batch: Batch, layer_id: int) -> dict:
         return self._pick(batch).layer_inputs(batch, layer_id)
+
+    def step_inputs(self, batch: Batch) -> dict:
+        return self._pick(batch).step_inputs(batch)
 
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         self.decode.init_capture_graph(max_bs, capture_bs)

@@ -34,6 +34,9 @@ class FusionPlan:
     # the decoder layer runs as one launch of the layer kernel (kernel.decode_layer), the backend giving
     # its attention inputs (layer_inputs); a layer the kernel does not serve ignores it and runs as above
     whole_layer: bool = False
+    # every layer of the step runs as one launch of the decode-step kernel (kernel.decode_step), the backend
+    # giving the pool and the batch's indices (step_inputs); a model the kernel does not serve runs as above
+    whole_step: bool = False
 
 
 UNFUSED = FusionPlan()
