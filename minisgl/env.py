@@ -43,6 +43,13 @@ class Env:
         return _flag("MINISGL_LAYER_KERNEL")
 
     @property
+    def decode_step(self) -> bool:
+        """Run a one-request decode step's layers as one persistent CUDA kernel on Hopper GPUs where nvcc
+        is present (kernel/step_kernel.py, MINISGL_DECODE_STEP=1); off by default: on an H200 it measured
+        slower than the layers' own kernels (docs/BENCHMARKS.md)."""
+        return _flag("MINISGL_DECODE_STEP")
+
+    @property
     def decode_tile(self) -> str:
         """The decode attention's launches (MINISGL_DECODE_TILE): BLOCK_N:warps:stages in several
         splits:stages in one[:programs an SM the split count aims for; by default 8, for batches over a

@@ -34,6 +34,9 @@ class FusionPlan:
     # the decoder layer runs as one launch of the layer kernel (kernel.decode_layer), the backend giving
     # its attention inputs (layer_inputs); a layer the kernel does not serve ignores it and runs as above
     whole_layer: bool = False
+    # every layer of the step runs as one launch of the decode-step kernel (kernel.decode_step), the backend
+    # giving the pool and the batch's indices (step_inputs); a model the kernel does not serve runs as above
+    whole_step: bool = False
 
 
 UNFUSED = FusionPlan()
@@ -99,6 +102,10 @@ class BaseAttnBackend(ABC):
         """Under the plan's whole_layer: the attention arguments of kernel.decode_layer for this layer."""
         raise NotImplementedError(f"{type(self).__name__} does not run whole layers")
 
+    def step_inputs(self, batch: Batch) -> dict:
+        """Under the plan's whole_step: the pool and index arguments of kernel.decode_step."""
+        raise NotImplementedError(f"{type(self).__name__} does not run whole steps")
+
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
@@ -144,6 +151,9 @@ class HybridBackend(BaseAttnBackend):
 
     def layer_inputs(self, batch: Batch, layer_id: int) -> dict:
         return self._pick(batch).layer_inputs(batch, layer_id)
+
+    def step_inputs(self, batch: Batch) -> dict:
+        return self._pick(batch).step_inputs(batch)
 
     def init_capture_graph(self, max_bs: int, capture_bs: list[int]) -> None:
         self.decode.init_capture_graph(max_bs, capture_bs)

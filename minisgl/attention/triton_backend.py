@@ -23,7 +23,7 @@ import torch
 import triton
 
 from minisgl.env import ENV
-from minisgl.kernel import Rope, SplitAttention
+from minisgl.kernel import Rope, SplitAttention, decode_step_available
 from minisgl.kernel.triton import store_kv
 from minisgl.kernel.triton.attention import decode_split, extend_attention, merge_splits
 from minisgl.utils.device import HostRing
@@ -124,6 +124,14 @@ class TritonAttnBackend(BaseAttnBackend):
             self.decode_tiles = parse_decode_tiles(ENV.decode_tile, self.decode_tiles)
         # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
         self.layer_kernel = ENV.layer_kernel
+        # the whole one-request step as one CUDA launch where it builds (kernel/step_kernel.py); not with a
+        # sliding window, whose keys the kernel does not cut
+        self.step_kernel = (
+            on_gpu
+            and not config.windows
+            and kv_pool.k_buffer.dtype == config.dtype
+            and decode_step_available(config.device)
+        )
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
         self._staging = HostRing(config.device)  # pinned buffers for the extend metadata
@@ -156,6 +164,7 @@ class TritonAttnBackend(BaseAttnBackend):
             rope_in_attention=True,
             merge_in_o_proj=one and num_splits > 1,
             whole_layer=one and self.layer_kernel,
+            whole_step=one and self.step_kernel,
         )
         if batch.drafts is not None:  # a verify step: rows of one request read each other's new K/V, so
             plan = _EXTEND_PLAN  # every row stores before any attends (not inside the attention kernel)
@@ -217,6 +226,19 @@ class TritonAttnBackend(BaseAttnBackend):
             "scale": self.scale,
             "block_n": meta.tile[0],
             "precision": self.precision,
+        }
+
+    def step_inputs(self, batch: Batch) -> dict:
+        meta = batch.attn_metadata
+        return {
+            "k_buffer": self.kv_pool.k_buffer,
+            "v_buffer": self.kv_pool.v_buffer,
+            "page_table": self.page_table,
+            "table_idx": meta.table_idx,
+            "seq_lens": meta.seq_lens,
+            "out_loc": batch.out_loc,
+            "positions": batch.positions,
+            "scale": self.scale,
         }
 
     def forward(self, q, k, v, layer_id, batch, rope: Rope | None = None) -> torch.Tensor | SplitAttention:

@@ -15,6 +15,7 @@ from . import cpu, stored
 from . import reference as ref
 from .args import LayerWeights, SamplingRows, SplitAttention
 from .args import Rope as Rope  # re-exported: the rotary layer and the attention backends build one
+from .step_kernel import StepWeights
 
 _TRITON_ENABLED = True
 _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
@@ -64,6 +65,39 @@ def decode_layer_fits(weights: LayerWeights) -> bool:
     return kernels is not None and kernels.layer_fits(
         weights.qkv.shape[1], weights.down.shape[1], weights.o.shape[1]
     )
+
+
+def decode_step_available(device: torch.device) -> bool:
+    """Whether kernel.decode_step runs on device (kernel/step_kernel.py: a Hopper GPU, nvcc, switched on)."""
+    from . import step_kernel as step
+
+    return step.available(device)
+
+
+def decode_step_fits(weights: LayerWeights, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode_step serves a layer of these weights and head counts."""
+    from . import step_kernel as step
+
+    head_dim = weights.o.shape[1] // num_heads
+    return step.fits(weights, num_heads, num_kv_heads, head_dim)
+
+
+def step_weights(
+    layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor
+) -> StepWeights:
+    """Every layer's tensors packed for decode_step (a step_kernel.StepWeights)."""
+    from . import step_kernel as step
+
+    return step.step_weights(layers, num_heads, num_kv_heads, head_dim, cos_sin_cache)
+
+
+def decode_step(x: torch.Tensor, weights: StepWeights, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every dense layer of a one-request decode step in one CUDA launch (kernel/step_kernel.py): (the last
+    MLP output, the residual) of the embedding row x. `inputs`: the attention backend's step_inputs. Its
+    reference is the layers' own modules."""
+    from . import step_kernel as step
+
+    return step.decode_step(x, weights, **inputs)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:

@@ -77,9 +77,11 @@ class LlamaMLP(nn.Module):
 
 # The fused kernels that compute a whole decoder layer the Llama way (pre-norm RMSNorm, rotary attention
 # with an optional per-head q/k norm, a SiLU-gated MLP or experts): the C decode step of a CPU batch
-# (engine/cpu_step.py) and the Triton layer kernel (kernel.decode_layer).
+# (engine/cpu_step.py), the Triton layer kernel (kernel.decode_layer) and the CUDA kernel of a whole
+# one-request step (kernel.decode_step).
 CPU_DECODE_STEP = "cpu_decode_step"
 TRITON_LAYER = "triton_layer"
+CUDA_STEP = "cuda_step"
 
 
 def declares(layer: nn.Module, fast_path: str) -> bool:
@@ -91,7 +93,7 @@ def declares(layer: nn.Module, fast_path: str) -> bool:
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
-    fast_paths: ClassVar[tuple[str, ...]] = (CPU_DECODE_STEP, TRITON_LAYER)
+    fast_paths: ClassVar[tuple[str, ...]] = (CPU_DECODE_STEP, TRITON_LAYER, CUDA_STEP)
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -109,12 +111,13 @@ class LlamaDecoderLayer(nn.Module):
             cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize
         )
 
-    def layer_weights(self) -> kernel.LayerWeights | None:
-        """The tensors kernel.decode_layer reads, or None where the layer kernel does not serve this layer:
-        a class that does not declare it, a mixture of experts, tensor parallelism, an output-projection or
-        MLP bias, weights kept as stored blocks, widths past the kernel's tile."""
+    def layer_weights(self, fast_path: str = TRITON_LAYER) -> kernel.LayerWeights | None:
+        """The tensors kernel.decode_layer (or kernel.decode_step, CUDA_STEP) reads, or None where that
+        kernel does not serve this layer: a class that does not declare it, a mixture of experts, tensor
+        parallelism, an output-projection or MLP bias, weights kept as stored blocks, widths past the
+        kernel's tile."""
         attn, mlp = self.self_attn, self.mlp
-        if not declares(self, TRITON_LAYER):
+        if not declares(self, fast_path):
             return None
         if not isinstance(mlp, LlamaMLP) or attn.qkv_proj.tp_size > 1:
             return None
@@ -140,6 +143,8 @@ class LlamaDecoderLayer(nn.Module):
             mlp.down_proj.weight,
             self.input_layernorm.eps,
         )
+        if fast_path == CUDA_STEP:
+            return weights if kernel.decode_step_fits(weights, attn.num_heads, attn.num_kv_heads) else None
         return weights if kernel.decode_layer_fits(weights) else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
@@ -170,12 +175,33 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self) -> torch.Tensor:
-        x = self.embed_tokens(get_global_ctx().batch.input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual)
+        ctx = get_global_ctx()
+        x = self.embed_tokens(ctx.batch.input_ids)
+        step = self.step_weights() if ctx.attn_backend.fusion_plan(ctx.batch).whole_step else None
+        if step is not None:  # every layer in one launch
+            x, residual = kernel.decode_step(x, step, **ctx.attn_backend.step_inputs(ctx.batch))
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+    def step_weights(self) -> kernel.StepWeights | None:
+        """Every layer's tensors for kernel.decode_step (made once), or None where some layer is not
+        served: then the layers run one by one."""
+        if not hasattr(self, "_step_weights"):
+            layers = [layer.layer_weights(CUDA_STEP) for layer in self.layers]
+            attn = self.layers[0].self_attn
+            cache = attn.rotary.cos_sin_cache  # the kernel reads one table: every layer's must be this
+            same = all(torch.equal(layer.self_attn.rotary.cos_sin_cache, cache) for layer in self.layers)
+            served = all(lw is not None for lw in layers) and same
+            self._step_weights = (
+                kernel.step_weights(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim, cache)
+                if served
+                else None
+            )
+        return self._step_weights
 
 
 class LlamaForCausalLM(nn.Module):

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from .llama import (
     CPU_DECODE_STEP,
+    CUDA_STEP,
     TRITON_LAYER,
     LlamaAttention,
     LlamaDecoderLayer,
@@ -21,7 +22,7 @@ class Qwen3Attention(LlamaAttention):
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
     # both kernels apply the q/k norm (the C step from its descriptor, the layer kernel from its weights)
-    fast_paths: ClassVar[tuple[str, ...]] = (CPU_DECODE_STEP, TRITON_LAYER)
+    fast_paths: ClassVar[tuple[str, ...]] = (CPU_DECODE_STEP, TRITON_LAYER, CUDA_STEP)
 
 
 class Qwen3Model(LlamaModel):

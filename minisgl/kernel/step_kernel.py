@@ -1,0 +1,346 @@
+"""The decode step of one request as one persistent CUDA kernel (kernel/cuda/decode_step.cu): every dense
+decoder layer from the embedding row to the last layer's (MLP output, residual), the blocks waiting for
+each other at counters instead of at kernel boundaries, each streaming its next weights into shared
+memory while it waits.
+
+The kernel is built with nvcc once per machine (into MINISGL_CACHE_DIR) and called through ctypes on
+torch's current stream, so CUDA graphs capture it as one node. Its argument block is a row of int64 in
+the order of _FIELDS, which the library reports and this module checks. MINISGL_DECODE_STEP=1 turns it on
+(it is off by default: on an H200 it measured slower than the layers' own kernels, docs/BENCHMARKS.md);
+where nvcc or a Hopper GPU is missing, the layers run as before."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from minisgl.env import ENV
+
+if TYPE_CHECKING:
+    from . import LayerWeights
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "cuda", "decode_step.cu")
+_FIELDS = (
+    "layers",
+    "num_layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "inter",
+    "rot_half",
+    "splits",
+    "x_in",
+    "h",
+    "h2",
+    "y",
+    "qkv",
+    "attn",
+    "act",
+    "part_o",
+    "part_lse",
+    "k_cache",
+    "v_cache",
+    "kv_layer_stride",
+    "stride_kt",
+    "stride_kh",
+    "page_table",
+    "stride_pt",
+    "table_idx",
+    "seq_lens",
+    "out_loc",
+    "positions",
+    "idx64",
+    "cos_sin",
+    "stride_cs",
+    "counters",
+    "ring_bytes",
+    "vec_floats",
+    "scratch_floats",
+)
+_LAYER_FIELDS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_THREADS_WARPS = 16  # NW in the kernel: 512 threads
+_MAX_GROUP = 8
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _nvcc() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    path = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+    return path if path and os.path.exists(path) else shutil.which("nvcc")
+
+
+def _build() -> str | None:
+    """The library's path, compiled once per source and compiler (None: no nvcc, or it failed)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        logger.info("No nvcc: the one-kernel decode step is off")
+        return None
+    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    out_dir = os.path.join(ENV.cache_dir, "kernels")
+    path = os.path.join(out_dir, f"decode_step-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    logger.info("Compiling the decode-step kernel with %s (once per machine)", nvcc)
+    result = subprocess.run([nvcc, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        logger.warning(
+            "Compiling the decode-step kernel failed; the layers run as before:\n%s", result.stderr[-2000:]
+        )
+        return None
+    os.replace(tmp, path)  # atomic: processes building at once each see a whole library
+    return path
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    path = _build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    lib.minisgl_step_fields.restype = ctypes.c_char_p
+    lib.minisgl_step_error.restype = ctypes.c_char_p
+    lib.minisgl_decode_step.argtypes = [
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    fields = lib.minisgl_step_fields().decode().rstrip(",").split(",")
+    assert tuple(fields) == tuple(_FIELDS), f"decode_step.cu's fields {fields} differ from {_FIELDS}"
+    assert lib.minisgl_step_max_group() == _MAX_GROUP and lib.minisgl_step_threads() == 32 * _THREADS_WARPS
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+    err = lib.minisgl_step_prepare(limit)
+    if err:
+        logger.warning(
+            "The decode-step kernel does not load (%s): the layers run as before", lib.minisgl_step_error(err)
+        )
+        return None
+    _lib = lib
+    return _lib
+
+
+def buildable(device: torch.device) -> bool:
+    """Whether the kernel can run on device: a Hopper GPU (it is built for sm_90a), nvcc there."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return _load() is not None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the one-kernel decode step runs on device: switched on (MINISGL_DECODE_STEP=1), buildable."""
+    return ENV.decode_step and buildable(device)
+
+
+class StepWeights(NamedTuple):
+    """Every layer's tensors for decode_step, their addresses as one device table [layers, 9]."""
+
+    layers: list[LayerWeights]
+    table: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    cos_sin_cache: torch.Tensor
+
+
+def fits(lw: LayerWeights, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel serves a layer of these shapes and dtype."""
+    group = heads // kv_heads
+    hidden, inter = lw.qkv.shape[1], lw.down.shape[1]
+    return (
+        lw.qkv.dtype in _DTYPES
+        and head_dim in (64, 128)
+        and group <= _MAX_GROUP
+        and heads % kv_heads == 0
+        and hidden % 8 == 0
+        and inter % 8 == 0
+        and all(t is None or _whole_rows(t, lw.qkv.dtype) for t in lw[:-1])
+    )
+
+
+def _whole_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Contiguous, of the model's dtype, 16-byte aligned (the kernel copies rows in 16-byte pieces)."""
+    return t.is_contiguous() and t.dtype == dtype and t.data_ptr() % 16 == 0
+
+
+def step_weights(
+    layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor
+) -> StepWeights:
+    """The pointer table of the layers (kept alive with them)."""
+    rows = [[0 if t is None else t.data_ptr() for t in lw[: len(_LAYER_FIELDS)]] for lw in layers]
+    table = torch.tensor(rows, dtype=torch.int64).to(layers[0].qkv.device)
+    return StepWeights(layers, table, heads, kv_heads, head_dim, cos_sin_cache)
+
+
+class _Buffers(NamedTuple):
+    h: torch.Tensor
+    h2: torch.Tensor
+    y: torch.Tensor
+    qkv: torch.Tensor
+    attn: torch.Tensor
+    act: torch.Tensor
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    counters: torch.Tensor
+
+
+_BUFFERS: dict[tuple, _Buffers] = {}
+
+
+def _buffers(sw: StepWeights, splits: int) -> _Buffers:
+    """The step's scratch, once per model shape: kept, so CUDA graphs replay on the same addresses; the
+    counters start at zero and the kernel leaves them at zero."""
+    lw = sw.layers[0]
+    dev, dtype = lw.qkv.device, lw.qkv.dtype
+    hidden, inter, n_qkv = lw.qkv.shape[1], lw.down.shape[1], lw.qkv.shape[0]
+    key = (dev, dtype, hidden, inter, n_qkv, sw.heads, sw.kv_heads, sw.head_dim, splits)
+    if key not in _BUFFERS:
+
+        def row(n: int) -> torch.Tensor:
+            return torch.empty((1, n), dtype=dtype, device=dev)
+
+        _BUFFERS[key] = _Buffers(
+            row(hidden),
+            row(hidden),
+            row(hidden),
+            row(n_qkv),
+            row(sw.heads * sw.head_dim),
+            row(inter),
+            torch.empty(sw.heads * splits * sw.head_dim, dtype=torch.float32, device=dev),
+            torch.empty(sw.heads * splits, dtype=torch.float32, device=dev),
+            torch.zeros(2 + sw.kv_heads, dtype=torch.int32, device=dev),
+        )
+    return _BUFFERS[key]
+
+
+def _smem(device: torch.device, hidden: int, inter: int, q_width: int, group: int, head_dim: int):
+    """(ring bytes, vec floats, scratch floats, total bytes) of the kernel's shared memory."""
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+    vec = max(hidden, inter, q_width)
+    nw = _THREADS_WARPS
+    scratch = _MAX_GROUP * head_dim + max(
+        nw * head_dim + head_dim, 2 * nw * _MAX_GROUP + nw * group * head_dim
+    )
+    fixed = 4 * (vec + scratch + nw + 1)
+    ring = (limit - fixed - 1024) // 256 * 256
+    return ring, vec, scratch, fixed + ring
+
+
+def _model_fields(sw: StepWeights, x: torch.Tensor, buf: _Buffers, splits: int) -> dict[str, int]:
+    """The argument block's shapes, weights, rotary table and scratch addresses."""
+    lw, cache = sw.layers[0], sw.cos_sin_cache
+    return {
+        "layers": sw.table.data_ptr(),
+        "num_layers": len(sw.layers),
+        "hidden": lw.qkv.shape[1],
+        "heads": sw.heads,
+        "kv_heads": sw.kv_heads,
+        "head_dim": sw.head_dim,
+        "inter": lw.down.shape[1],
+        "rot_half": cache.shape[-1] // 2,
+        "splits": splits,
+        "x_in": x.data_ptr(),
+        **{name: getattr(buf, name).data_ptr() for name in _Buffers._fields},
+        "cos_sin": cache.data_ptr(),
+        "stride_cs": cache.stride(0),
+    }
+
+
+def _pool_fields(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    page_table: torch.Tensor,
+    table_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_loc: torch.Tensor,
+    positions: torch.Tensor,
+) -> dict[str, int]:
+    """The argument block's KV pool and batch-index addresses; idx64 flags the int64 index tensors."""
+    idx = (seq_lens, positions, table_idx, out_loc)
+    assert all(t.dtype in (torch.int32, torch.int64) for t in idx)
+    return {
+        "k_cache": k_buffer.data_ptr(),
+        "v_cache": v_buffer.data_ptr(),
+        "kv_layer_stride": k_buffer.stride(0),
+        "stride_kt": k_buffer.stride(1),
+        "stride_kh": k_buffer.stride(2),
+        "page_table": page_table.data_ptr(),
+        "stride_pt": page_table.stride(0),
+        "table_idx": table_idx.data_ptr(),
+        "seq_lens": seq_lens.data_ptr(),
+        "out_loc": out_loc.data_ptr(),
+        "positions": positions.data_ptr(),
+        "idx64": sum(1 << i for i, t in enumerate(idx) if t.dtype == torch.int64),
+    }
+
+
+def decode_step(
+    x: torch.Tensor,
+    sw: StepWeights,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    page_table: torch.Tensor,
+    table_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_loc: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of a one-request decode step on the embedding row x [1, hidden]: (the last MLP output,
+    the residual), as the layers' own forward returns them; the new K/V stored in k_buffer / v_buffer
+    ([layers, slots, kv_heads, head_dim]). The outputs live in kept buffers, overwritten by the next call."""
+    lib = _load()
+    assert lib is not None and x.shape[0] == 1 and x.is_contiguous()
+    lw = sw.layers[0]
+    dev = x.device
+    hidden, inter = lw.qkv.shape[1], lw.down.shape[1]
+    assert k_buffer.dtype == x.dtype == lw.qkv.dtype and k_buffer.stride() == v_buffer.stride()
+    assert k_buffer.stride(-1) == 1 and page_table.dtype == torch.int32 and page_table.stride(-1) == 1
+    grid = torch.cuda.get_device_properties(dev).multi_processor_count
+    splits = max(1, grid // sw.kv_heads)
+    buf = _buffers(sw, splits)
+    ring, vec, scratch, smem = _smem(
+        dev, hidden, inter, sw.heads * sw.head_dim, sw.heads // sw.kv_heads, sw.head_dim
+    )
+    values = _model_fields(sw, x, buf, splits)
+    values.update(_pool_fields(k_buffer, v_buffer, page_table, table_idx, seq_lens, out_loc, positions))
+    values.update(ring_bytes=ring, vec_floats=vec, scratch_floats=scratch)
+    cache = sw.cos_sin_cache
+    assert cache.dtype == torch.float32 and cache.stride(-1) == 1
+    args = (ctypes.c_int64 * len(_FIELDS))(*(values[f] for f in _FIELDS))
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    err = lib.minisgl_decode_step(
+        args, lw.eps, scale * math.log2(math.e), _DTYPES[x.dtype], grid, smem, ctypes.c_void_p(stream)
+    )
+    if err:
+        raise RuntimeError(f"decode_step launch failed: {lib.minisgl_step_error(err).decode()}")
+    return buf.y, buf.h2

@@ -1,0 +1,142 @@
+"""On a Hopper GPU with nvcc: the one-kernel decode step (kernel/step_kernel.py) gives the greedy tokens of
+the reference path (torch attention, no graphs, no overlap), and tiny float32 models give Hugging Face's.
+Each test counts the step kernel's launches, so a test cannot pass with the kernel silently off."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from helpers import TINY_SPECS, assert_tokens_equal_hf, build_tiny_model, make_llm, random_prompt
+
+from minisgl import kernel
+from minisgl.core import SamplingParams
+from minisgl.kernel import step_kernel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not step_kernel.buildable(torch.device("cuda", 0)),
+        reason="needs a Hopper GPU and nvcc",
+    ),
+]
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "minisgl", "benchmark", "configs")
+
+
+@pytest.fixture
+def step_launches(monkeypatch) -> list[int]:
+    """Switches the kernel on (MINISGL_DECODE_STEP=1) and counts kernel.decode_step calls (eager steps and
+    graph captures)."""
+    monkeypatch.setenv("MINISGL_DECODE_STEP", "1")
+    calls: list[int] = []
+    real = kernel.decode_step
+    monkeypatch.setattr(kernel, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def _generate(model: str, prompts, params, **kwargs):
+    with make_llm(model, show_progress=False, **kwargs) as llm:
+        outs = llm.generate(prompts, params)
+        llm.scheduler.check_integrity()
+    return outs
+
+
+def _assert_same_greedy(fast, ref, tie: float) -> None:
+    """Token for token, except a first difference where the reference's top two log-probabilities are
+    within `tie` (bf16 rounding ties, as in test_gpu_e2e)."""
+    for i, (f, r) in enumerate(zip(fast, ref)):
+        if f["token_ids"] == r["token_ids"]:
+            continue
+        j = next(k for k, (a, b) in enumerate(zip(f["token_ids"], r["token_ids"])) if a != b)
+        (_, lp1), (_, lp2) = r["top_logprobs"][j][:2]
+        assert lp1 - lp2 < tie, (
+            f"prompt {i}: first difference at token {j}, reference top-2 gap {lp1 - lp2:.3g}"
+        )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_step_equals_reference_one_request_qwen3_06b_bf16(page_size, step_launches):
+    """Qwen3-0.6B shapes in bf16, one request at a time (every decode step one kernel), one prompt's
+    context past 4,096 keys, page sizes 1 and 16: the reference path's greedy tokens."""
+    model = os.path.join(CONFIGS, "qwen3-0.6b")
+    prompts = [random_prompt(n, 151936, seed=n) for n in (128, 700, 4200)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2)
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "max_seq_len_override": 4400,
+        "max_running_req": 1,
+    }
+    ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
+    assert not step_launches
+    fast = _generate(
+        model,
+        prompts,
+        params,
+        attn="triton",
+        cuda_graph_max_bs=8,
+        overlap=True,
+        page_size=page_size,
+        num_page_override=20_000 // page_size,
+        **common,
+    )
+    assert step_launches
+    _assert_same_greedy(fast, ref, tie=0.5)
+
+
+def test_decode_step_in_batches_shrinking_from_8_to_1_qwen3_06b_bf16(step_launches):
+    """Eight requests at once, each asking for a different number of tokens, so the decode batch shrinks
+    from 8 to 1 (the kernel serves the steps of one request, the layers' kernels the others): the
+    reference path's greedy tokens."""
+    model = os.path.join(CONFIGS, "qwen3-0.6b")
+    prompts = [random_prompt(n, 151936, seed=50 + n) for n in (9, 40, 100, 300, 17, 64, 250, 5)]
+    params = [
+        SamplingParams(max_tokens=4 + 4 * i, ignore_eos=True, logprobs=True, top_logprobs=2) for i in range(8)
+    ]
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "max_running_req": 8,
+        "max_seq_len_override": 1024,
+    }
+    ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
+    fast = _generate(model, prompts, params, attn="triton", cuda_graph_max_bs=8, overlap=True, **common)
+    assert step_launches
+    _assert_same_greedy(fast, ref, tie=0.5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3"])
+def test_decode_step_tiny_fp32_equals_hf(arch, tmp_path, step_launches):
+    """Tiny float32 models with 64-dim heads (the kernel serves 64 and 128): Llama with a tied head, Llama
+    3 rope scaling with an untied one, Qwen2 (QKV bias, a GQA group of 3), Qwen3 (q/k norm, tied), one
+    request at a time through the decode graph, page size 1 and 4: Hugging Face's greedy tokens."""
+    from helpers import HFReference
+
+    spec = TINY_SPECS[arch]
+    overrides = {"head_dim": 64}
+    if arch == "qwen2":  # Qwen2 takes head_dim as hidden / heads
+        overrides["hidden_size"] = 64 * spec.config_kwargs["num_attention_heads"]
+    spec = dataclasses.replace(spec, config_kwargs={**spec.config_kwargs, **overrides})
+    model = build_tiny_model(spec, str(tmp_path / arch))
+    ref = HFReference(model)
+    vocab = spec.config_kwargs["vocab_size"]
+    prompts = [random_prompt(n, vocab, seed) for n, seed in [(21, 4), (6, 5), (90, 6)]]
+    for page_size in (1, 4):
+        kwargs = {
+            "dtype": torch.float32,
+            "attn": "triton",
+            "page_size": page_size,
+            "cuda_graph_max_bs": 1,
+            "max_running_req": 1,
+            "num_page_override": 2048,
+            "max_seq_len_override": 512,
+        }
+        outs = _generate(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True), **kwargs)
+        for prompt, out in zip(prompts, outs):
+            assert_tokens_equal_hf(
+                out["token_ids"], ref, prompt, f"the decode-step kernel, page size {page_size}"
+            )
+    assert step_launches
