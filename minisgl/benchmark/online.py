@@ -11,8 +11,10 @@ latency, and reports mean / p50 / p90 / p99 of each plus the output throughput o
 Output tokens come from the server's usage (stream_options.include_usage) when it sends one, else from
 counting content chunks.
 
-One client process reads at most some 20,000 streamed tokens a second: `--processes N` spreads the requests
-over N processes (each with its share of the concurrency or of the arrival rate, all starting at one
+The client reads the streams with a lean HTTP/1.1 reader (benchmark/sse_client.py: on a 2-core machine the
+client shares the cores with the server it measures, and httpx's streaming path took 5% of a core at W4's
+430 tok/s, a third of that now). One process can still fall behind a fast GPU server: `--processes N`
+spreads the requests over N processes (each with its share of the concurrency or of the arrival rate, all starting at one
 moment), and the report gives each process's CPU use, so a run shows whether the client was the limit
 (doubling N must not raise the throughput).
 """
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from minisgl.benchmark.prompts import BENCH_SCHEMA, w4_prompts
+from minisgl.benchmark.sse_client import HTTPError, open_client
 
 
 @dataclass
@@ -59,7 +62,7 @@ def constrained_rows(n: int, fraction: float) -> list[bool]:
 
 
 async def _one(
-    http: Any, url: str, model: str, prompt: str, args: argparse.Namespace, constrained: bool = False
+    client: Any, model: str, prompt: str, args: argparse.Namespace, constrained: bool = False
 ) -> RequestResult:
     body: dict[str, Any] = {
         "model": model,
@@ -80,31 +83,24 @@ async def _one(
     last = None
     chunks = 0
     try:
-        async with http.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                event = _loads(payload)
-                if event.get("usage"):
-                    res.output_tokens = int(event["usage"].get("completion_tokens", 0))
-                    res.usage_reported = True
-                for choice in event.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        now = time.perf_counter()
-                        if last is None:
-                            res.ttft = now - t0
-                        else:
-                            res.itl.append(now - last)
-                        last = now
-                        chunks += 1
+        async for payload in client.stream("/chat/completions", body):
+            if payload == b"[DONE]":
+                continue  # the reply ends right after it: read to its end, so the connection is reused
+            event = _loads(payload)
+            if event.get("usage"):
+                res.output_tokens = int(event["usage"].get("completion_tokens", 0))
+                res.usage_reported = True
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
     except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
-        res.error = f"{type(e).__name__}: {e}"
+        res.error = str(e) if isinstance(e, HTTPError) else f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - t0
     if not res.usage_reported:
@@ -134,30 +130,32 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(v), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
-def _client(args: argparse.Namespace) -> Any:
-    import httpx
-
-    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64) + 8, max_keepalive_connections=64)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    return httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers)
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 async def _prepare(args: argparse.Namespace) -> str:
     """The model name (asked from the server unless given), after the warm-up requests."""
     base = args.base_url.rstrip("/")
-    async with _client(args) as http:
-        model = args.model
-        if model is None:
+    model = args.model
+    if model is None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=args.timeout, headers=_headers(args)) as http:
             model = (await http.get(f"{base}/models")).json()["data"][0]["id"]
+    client = open_client(base, _headers(args), args.timeout)
+    try:
         for i in range(args.warmup):  # excluded from the figures
-            res = await _one(http, f"{base}/chat/completions", model, f"Warm-up request {i}.", args)
+            res = await _one(client, model, f"Warm-up request {i}.", args)
             if not res.ok and args.include_usage and res.error.startswith(("HTTP 400", "HTTP 422")):
                 print(
                     "note: the server refused stream_options; counting content chunks instead",
                     file=sys.stderr,
                 )
                 args.include_usage = False
-                await _one(http, f"{base}/chat/completions", model, f"Warm-up request {i}.", args)
+                await _one(client, model, f"Warm-up request {i}.", args)
+    finally:
+        await client.aclose()
     return model
 
 
@@ -167,7 +165,6 @@ async def _measure(
     """Send requests `rows` (request i leaves at `start` + its Poisson delay, on the wall clock shared
     by the processes), `args.concurrency` at a time; returns their results, the time the last ended and
     this process's CPU seconds over the run."""
-    url = f"{args.base_url.rstrip('/')}/chat/completions"
     prompts = w4_prompts(args.num_requests)
     under = constrained_rows(len(prompts), args.constrained_fraction)
     delays = [0.0] * len(prompts)
@@ -177,16 +174,17 @@ async def _measure(
             delays[i] = t
             t += rng.expovariate(args.request_rate)
     results: dict[int, RequestResult] = {}
-    async with _client(args) as http:
+    client = open_client(args.base_url.rstrip("/"), _headers(args), args.timeout)
+    try:
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
         async def task(i: int) -> None:
             await asyncio.sleep(max(0.0, start + delays[i] - time.time()))
             if gate is None:
-                results[i] = await _one(http, url, model, prompts[i], args, under[i])
+                results[i] = await _one(client, model, prompts[i], args, under[i])
             else:
                 async with gate:
-                    results[i] = await _one(http, url, model, prompts[i], args, under[i])
+                    results[i] = await _one(client, model, prompts[i], args, under[i])
             if progress is not None:
                 progress.update(1)
 
@@ -194,6 +192,8 @@ async def _measure(
         cpu = time.process_time()
         await asyncio.gather(*(task(i) for i in rows))
         return results, time.time(), time.process_time() - cpu
+    finally:
+        await client.aclose()
 
 
 def _process_main(args: argparse.Namespace, model: str, rows: list[int], start: float, out: Any) -> None:
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "--processes",
         type=int,
         default=1,
-        help="client processes sharing the requests (one process reads ~20,000 streamed tok/s at most)",
+        help="client processes sharing the requests (one may fall behind a fast server)",
     )
     p.add_argument("--output-json", default=None, help="also write the report here")
     p.add_argument(

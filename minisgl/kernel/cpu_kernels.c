@@ -1378,6 +1378,12 @@ static void linear_stored_panel_work(const float *x, int64_t ldx, const uint8_t 
 #endif
 
 #if VW == 16
+#ifndef XT_PF
+#define XT_PF 1
+#endif
+#ifndef XT_HINT
+#define XT_HINT _MM_HINT_T1
+#endif
 #define XT_MIN 16 /* rows of x from which the stored GEMM puts x's rows in the lanes (fewer: lanes idle) */
 /* The panel path with x's rows in the 16 lanes instead of W's (AVX-512): x is transposed once into blocks of
  * 16 rows, [k][16 rows], so each panel of 16 weight rows is dequantized row by row as stored and read back
@@ -1421,6 +1427,14 @@ static void linear_stored_xt_work(const float *x, int64_t ldx, const uint8_t *w,
                 int64_t kc = K - k0 < QKC ? K - k0 : QKC;
                 for (int j = 0; j < 16; j++)  // rows past N: row 0 again, its outputs never written
                     dequant_span(type, w + (p * 16 + (j < nr ? j : 0)) * row_bytes, k0, kc, tmp + j * QKC);
+                if (XT_PF && p + XT_PF < panels) {  // the same chunk of a later panel's rows, into L2
+                    const int64_t lo = k0 / 32 * 0, bytes = row_bytes * kc / K + 64;
+                    (void)lo;
+                    for (int j = 0; j < 16; j++) {
+                        const char *r = (const char *)(w + ((p + XT_PF) * 16 + j) * row_bytes) + row_bytes * k0 / K;
+                        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, XT_HINT);
+                    }
+                }
                 for (int64_t b = 0; b < nmb; b++) {
                     __m512 acc[16];
                     float *ya = yacc + b * 256;

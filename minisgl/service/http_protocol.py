@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+try:  # httptools (C) parses requests and frames responses several times faster than h11 (Python)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Protocol
+except ImportError:  # pragma: no cover - httptools comes with the service's dependencies
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _Protocol
 
 
-class HeaderDeadlineProtocol(H11Protocol):
+class HeaderDeadlineProtocol(_Protocol):
     """Closes a connection whose next request's headers are not complete `header_timeout` seconds after it
     opened or after its last response."""
 
