@@ -54,12 +54,9 @@ def _linear_desc(module: torch.nn.Module, keep: list) -> Descriptor:
             if not cpu_kernels.stored_type_supported(p.ggml_type) or p.data.stride(1) != 1:
                 raise Unsupported(f"GGML type {p.ggml_type}")
             keep.append(p.data)
-            parts.append(
-                Descriptor(
-                    layout.PART, kind=layout.PART_STORED, type=p.ggml_type,
-                    data=p.data.data_ptr(), row_bytes=p.data.stride(0), rows=p.n,
-                )
-            )  # fmt: skip
+            part = Descriptor(layout.PART, kind=layout.PART_STORED, type=p.ggml_type, rows=p.n)
+            part["data"], part["row_bytes"] = p.data.data_ptr(), p.data.stride(0)
+            parts.append(part)
     else:
         if w.dtype != torch.float32:
             raise Unsupported(f"{w.dtype} weights")
@@ -67,9 +64,10 @@ def _linear_desc(module: torch.nn.Module, keep: list) -> Descriptor:
         if packed is None:
             raise Unsupported("no packed float32 linear in this build")
         keep.append(packed)
-        kind = layout.PART_PACKED
-        parts.append(Descriptor(layout.PART, kind=kind, data=packed.data_ptr(), rows=w.shape[0]))
-    room = layout.LINEAR.fields["part"][2]
+        packed_part = Descriptor(layout.PART, kind=layout.PART_PACKED, rows=w.shape[0])
+        packed_part["data"] = packed.data_ptr()
+        parts.append(packed_part)
+    room = layout.LINEAR.count("part")
     if len(parts) > room:
         raise Unsupported(f"a weight in {len(parts)} parts (the descriptor holds {room})")
     d["parts"] = len(parts)

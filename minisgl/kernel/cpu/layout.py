@@ -27,7 +27,10 @@ class Layout:
         self.fields: dict[str, tuple[int, Layout | None, int]] = {}  # name -> (offset, nested, count)
         offset = 0
         for f in fields:
-            name, sub, count = (f, None, 1) if isinstance(f, str) else (*f, 1)[:3]
+            if isinstance(f, str):
+                name, sub, count = f, None, 1
+            else:
+                name, sub, count = f[0], f[1], f[2] if len(f) > 2 else 1
             assert name not in self.fields, f"{prefix}: field {name} twice"
             self.fields[name] = (offset, sub, count)
             offset += count * (sub.words if sub is not None else 1)
@@ -36,6 +39,10 @@ class Layout:
     def __getitem__(self, name: str) -> int:
         """The word offset of a field."""
         return self._field(name)[0]
+
+    def count(self, name: str) -> int:
+        """How many of a field the descriptor holds in a row."""
+        return self._field(name)[2]
 
     def _field(self, name: str) -> tuple[int, Layout | None, int]:
         if name not in self.fields:
