@@ -76,8 +76,9 @@ def _compile(compiler: str, flags: list[str], build_dir: str, out: str) -> str |
             [compiler, *flags, *include, "-c", "-o", obj, src], capture_output=True, text=True, check=False
         )
 
+    largest_first = sorted(sources, key=os.path.getsize, reverse=True)  # the long compiles start first
     with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(one, sources))
+        results = list(pool.map(one, largest_first))
     failed = [r.stderr for r in results if r.returncode != 0]
     if failed:
         return "\n".join(failed)
