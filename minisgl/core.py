@@ -1,25 +1,15 @@
-"""The core data structures: SamplingParams, Req, Batch, the per-process Context, and the Phase and
-FinishReason enums.
-
-The model's forward() takes no arguments: the batch being computed lives in the global Context and the
-layers read what they need (positions, attention metadata) from it.
-"""
+"""The core data structures: SamplingParams, Req, Batch, and the Phase and FinishReason enums (the
+per-process Context a forward pass reads is layers/context.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from minisgl.attention.base import BaseAttnBackend
-    from minisgl.kvcache.pool import KVPool
 
 
 class Phase(str, Enum):
@@ -372,36 +362,3 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
-
-
-@dataclass
-class Context:
-    """Per-process state the layers read during a forward pass."""
-
-    page_size: int
-    kv_pool: KVPool
-    attn_backend: BaseAttnBackend
-    moe_backend: Any = None  # a minisgl.moe.MoEBackend for an MoE model (moe sits above core)
-    batch: Batch | None = None
-
-    @contextlib.contextmanager
-    def forward_batch(self, batch: Batch) -> Iterator[Batch]:
-        assert self.batch is None, "forward_batch is not re-entrant"
-        self.batch = batch
-        try:
-            yield batch
-        finally:
-            self.batch = None
-
-
-_GLOBAL_CTX: Context | None = None
-
-
-def set_global_ctx(ctx: Context | None) -> None:
-    global _GLOBAL_CTX
-    _GLOBAL_CTX = ctx
-
-
-def get_global_ctx() -> Context:
-    assert _GLOBAL_CTX is not None, "the global Context is set by the Engine"
-    return _GLOBAL_CTX

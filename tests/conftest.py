@@ -71,7 +71,7 @@ def hf_reference(tiny_model_dirs) -> Callable[[str], HFReference]:
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The converted directory of the embedded default model (SmolLM2-135M-Instruct GGUF)."""
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.models.resolve import resolve_model_path
 
     try:
         return resolve_model_path(None)

@@ -500,17 +500,17 @@ def random_stored_rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
     """n rows of k values of GGML type `name` as stored bytes: random quants, scales of about 1/64."""
     import numpy as np
 
-    from minisgl.kernel import stored
+    from minisgl.gguf.blocks import SCALE_OFFSETS, STORED_TYPES, TYPE_IDS
 
     rng = np.random.default_rng(seed)
-    t = stored.TYPE_IDS[name]
-    _, qk, nbytes = stored.STORED_TYPES[t]
+    t = TYPE_IDS[name]
+    _, qk, nbytes = STORED_TYPES[t]
     if name in ("F16", "BF16", "F32"):
         vals = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
         dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[name]
         return vals.to(dtype).view(torch.uint8).reshape(n, -1).clone()
     blocks = rng.integers(0, 256, size=(n * k // qk, nbytes), dtype=np.uint8)
-    for off in stored.SCALE_OFFSETS[name]:
+    for off in SCALE_OFFSETS[name]:
         scales = (rng.standard_normal(blocks.shape[0]) / 64).astype(np.float16)
         blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(blocks.reshape(n, k // qk * nbytes))

@@ -8,9 +8,10 @@ from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant, random_stored_rows
 
 from minisgl import kernel
 from minisgl.core import Phase
+from minisgl.gguf import blocks
+from minisgl.gguf.stored import StoredPart, StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import reference as ref
-from minisgl.kernel import stored
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
 
@@ -114,7 +115,7 @@ def test_fallback_builds_of_attention_and_linear_equal_the_references(variant, m
             got = cpu_kernels.linear(x, cpu_kernels.pack_weight(w), 37)
             torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-5)
         for name in ("Q4_0", "Q4_1", "Q8_0"):
-            t = stored.TYPE_IDS[name]
+            t = blocks.TYPE_IDS[name]
             data = torch.from_numpy(
                 gguf.quants.quantize(
                     torch.randn(37, 288, generator=g).numpy() * 0.05, gguf.GGMLQuantizationType[name]
@@ -122,16 +123,16 @@ def test_fallback_builds_of_attention_and_linear_equal_the_references(variant, m
             )
             y = torch.empty(m, 37)
             cpu_kernels.linear_stored(x, t, data, None, y)
-            dense = stored.dequantize(t, data, 288)
+            dense = blocks.dequantize(t, data, 288)
             torch.testing.assert_close(y, (x.double() @ dense.double().T).float(), atol=1e-4, rtol=1e-5)
         # every other block type, on random blocks (K-quants: rows of 512, two blocks)
         xk = torch.randn(m, 512, generator=g)
         for name in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
-            t = stored.TYPE_IDS[name]
+            t = blocks.TYPE_IDS[name]
             data = random_stored_rows(name, 37, 512, seed=m)
             y = torch.empty(m, 37)
             cpu_kernels.linear_stored(xk, t, data, None, y)
-            dense = stored.dequantize(t, data, 512)
+            dense = blocks.dequantize(t, data, 512)
             expected = (xk.double() @ dense.double().T).float()
             # float32 sums in another order: a few ulps of the sum of |products| (random scales run large)
             tol = 8e-6 * (xk.abs().double() @ dense.abs().double().T).max().item()
@@ -306,11 +307,9 @@ def test_stored_experts_in_one_call_equal_the_reference_loop(tokens, dot):
             ("Q8_0", inter, H, 3 * e + 1),
             ("Q6_K", H, inter, 3 * e + 2),
         ):
-            parts.append(
-                stored.StoredPart(stored.TYPE_IDS[name], random_stored_rows(name, n, kk, seed), n, kk)
-            )
-        w13.append(stored.StoredWeight(parts[:2]))
-        w2.append(stored.StoredWeight(parts[2:]))
+            parts.append(StoredPart(blocks.TYPE_IDS[name], random_stored_rows(name, n, kk, seed), n, kk))
+        w13.append(StoredWeight(parts[:2]))
+        w2.append(StoredWeight(parts[2:]))
         w13[-1].dot = w2[-1].dot = dot
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, H, generator=g)

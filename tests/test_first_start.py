@@ -62,7 +62,7 @@ def test_a_step_that_fails_logs_no_time_and_its_ticker_stops(records):
 def test_preparing_the_default_model_logs_the_tokenizer_step_from_an_empty_cache(
     records, tmp_path, monkeypatch
 ):
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.models.resolve import resolve_model_path
 
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
     try:

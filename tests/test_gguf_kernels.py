@@ -9,8 +9,10 @@ import pytest
 import torch
 from helpers import random_stored_rows
 
+from minisgl.gguf import blocks
+from minisgl.gguf.stored import StoredPart, StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
-from minisgl.kernel import stored
+from minisgl.kernel import stored as stored_kernels
 
 gguf = pytest.importorskip("gguf")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
@@ -40,7 +42,7 @@ def test_reference_dequantize_equals_gguf(name):
     n, k = 7, 512
     data = random_rows(name, n, k, seed=1)
     expected = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[name])
-    got = stored.dequantize(stored.TYPE_IDS[name], data, k)
+    got = blocks.dequantize(blocks.TYPE_IDS[name], data, k)
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)))
 
 
@@ -49,10 +51,12 @@ def test_reference_dequantize_equals_gguf(name):
 def test_embedding_rows_are_the_reference_dequantization(name):
     n, k = 37, 512
     data = random_rows(name, n, k, seed=2)
-    w = stored.StoredWeight([stored.StoredPart(stored.TYPE_IDS[name], data, n, k)])
+    w = StoredWeight([StoredPart(blocks.TYPE_IDS[name], data, n, k)])
     ids = torch.tensor([[3, 0, 36], [36, 5, 5]])
-    expected = stored.dequantize(stored.TYPE_IDS[name], data, k)[ids]
-    assert torch.equal(stored.embedding(ids, w), expected)  # exact: no arithmetic beyond the reference's
+    expected = blocks.dequantize(blocks.TYPE_IDS[name], data, k)[ids]
+    assert torch.equal(
+        stored_kernels.embedding(ids, w), expected
+    )  # exact: no arithmetic beyond the reference's
 
 
 @needs_kernels
@@ -62,17 +66,17 @@ def test_embedding_rows_are_the_reference_dequantization(name):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 33, 129])
 @pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
 def test_linear_equals_reference_matmul(name, rows, n):
-    t = stored.TYPE_IDS[name]
-    k = 768 if stored.STORED_TYPES[t][1] == 256 else 352  # 352: a last K chunk shorter than 256
+    t = blocks.TYPE_IDS[name]
+    k = 768 if blocks.STORED_TYPES[t][1] == 256 else 352  # 352: a last K chunk shorter than 256
     data = random_rows(name, n, k, seed=rows * 10 + n)
-    w = stored.StoredWeight([stored.StoredPart(t, data, n, k)])
+    w = StoredWeight([StoredPart(t, data, n, k)])
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g)
-    dense = stored.dequantize(t, data, k)
+    dense = blocks.dequantize(t, data, k)
     expected = (x.double() @ dense.double().T + bias.double()).float()
-    got = stored.linear(x, w, bias)
-    assert stored._kernel_ok(w), f"{name}: the C kernels do not read it (the reference ran)"
+    got = stored_kernels.linear(x, w, bias)
+    assert stored_kernels._kernel_ok(w), f"{name}: the C kernels do not read it (the reference ran)"
     # float32 sums of k products in another order: a few ulps of the sum of |products|
     tol = 1e-6 * k * (x.abs().double() @ dense.abs().double().T).max().item() / k * 8
     torch.testing.assert_close(got, expected, atol=tol, rtol=1e-5)
@@ -83,11 +87,11 @@ def test_merged_parts_of_different_types_and_strided_rows():
     """A merged QKV whose parts differ in type writes each part into its columns; x may be a row view."""
     k = 512
     parts = [
-        stored.StoredPart(stored.TYPE_IDS[name], random_rows(name, n, k, seed=i), n, k)
+        StoredPart(blocks.TYPE_IDS[name], random_rows(name, n, k, seed=i), n, k)
         for i, (name, n) in enumerate([("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 8)])
     ]
-    w = stored.StoredWeight(parts)
+    w = StoredWeight(parts)
     for rows in (3, 20):  # the dot path; the panel path (x's rows in the lanes on AVX-512)
         x = torch.randn(rows, 2 * k)[:, :k]  # row stride 2k
         expected = x.double() @ w.dequantize().double().T
-        torch.testing.assert_close(stored.linear(x, w).double(), expected, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(stored_kernels.linear(x, w).double(), expected, atol=1e-3, rtol=1e-5)

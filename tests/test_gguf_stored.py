@@ -19,7 +19,8 @@ import torch
 from helpers import HFReference, assert_tokens_equal_hf, make_llm, random_prompt, tiny_llm_kwargs
 
 from minisgl.core import SamplingParams
-from minisgl.kernel import StoredWeight, cpu
+from minisgl.gguf.stored import StoredWeight
+from minisgl.kernel import cpu
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -391,7 +392,7 @@ def test_gguf_dequantized_into_float_parameters_equals_the_reference(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from minisgl.models import ModelConfig, create_model
-    from minisgl.models.gguf_weights import load_gguf
+    from minisgl.models.stored_weights import load_gguf
 
     gguf_path, hf_dir = write_tiny_gguf("llama", str(tmp_path))
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
@@ -410,7 +411,7 @@ def test_gguf_experts_dequantized_into_float_parameters_equal_the_reference(name
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from minisgl.models import ModelConfig, create_model
-    from minisgl.models.gguf_weights import load_gguf
+    from minisgl.models.stored_weights import load_gguf
 
     gguf_path, hf_dir = write_tiny_gguf(name, str(tmp_path))
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
@@ -505,7 +506,8 @@ def test_a_synthetic_qwen3_moe_file_stored_equals_hf_on_its_float32_conversion(t
 
 def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path):
     """A rope_freqs tensor no llama3 rope scaling produces: an error naming it, not a silent guess."""
-    from minisgl.utils.gguf_file import hf_config, open_gguf
+    from minisgl.gguf.config import hf_config
+    from minisgl.gguf.reader import open_gguf
 
     path = str(tmp_path / "odd-rope.gguf")
     writer = gguf.GGUFWriter(path, "llama")
@@ -561,7 +563,8 @@ def test_rope_scaling_metadata_becomes_the_hf_rope_scaling_or_is_refused_by_name
     """llama.cpp's rope.scaling keys: linear and YaRN become HF's rope scaling (YaRN's attention factor and
     betas by their HF names); another type, a missing factor or context length, or a key that would
     change the rotation beyond HF's config is an error naming it."""
-    from minisgl.utils.gguf_file import open_gguf, rope_scaling
+    from minisgl.gguf.config import rope_scaling
+    from minisgl.gguf.reader import open_gguf
 
     reader = open_gguf(_rope_only_gguf(str(tmp_path / "rope.gguf"), keys))
     if isinstance(expected, str):
@@ -576,13 +579,14 @@ def test_the_float32_conversion_keeps_the_files_rope_scaling(tmp_path):
     it saves (YaRN from metadata keys here, Llama 3's rope_freqs in the Q4_K_M test above)."""
     from transformers import AutoConfig
 
-    from minisgl.utils.hf import _complete_config
+    from minisgl.gguf.config import complete_config
+    from minisgl.gguf.reader import open_gguf
 
     gguf_path, hf_dir = write_tiny_gguf("qwen2_yarn", str(tmp_path))
     config = AutoConfig.from_pretrained(hf_dir)
     expected = dict(config.rope_parameters)
     config.rope_parameters = {"rope_theta": expected["rope_theta"], "rope_type": "default"}
-    _complete_config(gguf_path, config)
+    complete_config(open_gguf(gguf_path), config)
     assert {k: v for k, v in config.rope_parameters.items() if v is not None} == {
         k: v for k, v in expected.items() if v is not None
     }
@@ -591,8 +595,8 @@ def test_the_float32_conversion_keeps_the_files_rope_scaling(tmp_path):
 def test_the_cache_is_keyed_by_the_files_contents(tmp_path, monkeypatch):
     """The same file at another path (another virtual environment, a reinstall) finds the prepared
     directory instead of adding one, and its link follows the file; other contents get their own."""
-    from minisgl.utils.gguf_file import GGUF_LINK
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.gguf.model_dir import GGUF_LINK
+    from minisgl.models.resolve import resolve_model_path
 
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
     first, _ = write_tiny_gguf("llama", str(tmp_path))

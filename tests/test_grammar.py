@@ -175,7 +175,7 @@ def test_retraction_keeps_the_matcher_state(model_dir, reference):
     small = tiny_llm_kwargs(num_page_override=64, max_seq_len_override=128, reserve_ratio=0.0)
     with make_llm(model_dir, **small) as llm:
         got = llm.generate(prompts, params)
-        assert llm.scheduler.num_retractions > 0
+        assert llm.scheduler.retraction.num_retractions > 0
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
     for p, out in zip(params, got):
         check_output(reference, p, out)

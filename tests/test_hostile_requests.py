@@ -25,10 +25,11 @@ from test_server_lifecycle import _tiny_model_with_a_real_tokenizer
 
 from minisgl.core import SamplingParams
 from minisgl.message import TokenizeMsg
+from minisgl.models.resolve import resolve_model_path
 from minisgl.service.openai.browsers import LocalOnly
 from minisgl.service.openai.tool_parser import HERMES, parse_tool_calls
 from minisgl.tokenizer import TokenizeManager
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 openai = pytest.importorskip("openai")
 

@@ -284,7 +284,7 @@ def test_shutdown_frees_the_engine_and_a_new_llm_works(tiny_model_dirs):
 
 def test_llm_accepts_a_gguf_file_path(default_model_dir):
     """`LLM(path)` with a .gguf file resolves to the converted (cached) directory."""
-    from minisgl.utils.hf import default_model_path, resolve_model_path
+    from minisgl.models.resolve import default_model_path, resolve_model_path
 
     gguf = default_model_path()
     assert gguf.endswith(".gguf") and os.path.isfile(gguf)

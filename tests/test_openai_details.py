@@ -23,6 +23,7 @@ from test_server import chat_ids, sse_events
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, UserReply, dumps, loads
+from minisgl.models.resolve import resolve_model_path
 from minisgl.service.args import ServerArgs, parse_args
 from minisgl.service.openai import auth
 from minisgl.service.openai.errors import SERVER_ERROR, FieldNames
@@ -31,7 +32,7 @@ from minisgl.service.openai.routes import create_app
 from minisgl.service.openai.routing import ChoiceState
 from minisgl.service.openai.server import Job, OpenAIServer
 from minisgl.tokenizer.detokenize import DetokenizeManager, TokenBytes
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 openai = pytest.importorskip("openai")
 

@@ -24,7 +24,8 @@ import torch
 from helpers import Service, metrics, serving, wait_idle
 
 from minisgl.core import InvalidRequest, SamplingParams
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.models.resolve import resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 openai = pytest.importorskip("openai")
 

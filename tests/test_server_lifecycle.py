@@ -31,7 +31,7 @@ def _tiny_model_with_a_real_tokenizer(out_dir: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.models.resolve import resolve_model_path
 
     config = LlamaConfig(
         vocab_size=49152,

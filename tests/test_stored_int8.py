@@ -18,8 +18,10 @@ import pytest
 import torch
 from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant, make_llm, random_stored_rows, tiny_llm_kwargs
 
+from minisgl.gguf.blocks import STORED_TYPES, TYPE_IDS, dequantize
+from minisgl.gguf.stored import StoredPart, StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
-from minisgl.kernel import stored
+from minisgl.kernel import stored as stored_kernels
 
 gguf = pytest.importorskip("gguf")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels not built")
@@ -91,9 +93,9 @@ def int8_linear(
     """The kernel's y (float64); lib: another build of the library (linear_stored_q8 called directly)."""
     y = torch.empty(x.shape[0], data.shape[0], dtype=torch.float32)
     if lib is None:
-        cpu_kernels.linear_stored_q8(x, stored.TYPE_IDS[name], data, bias, y)
+        cpu_kernels.linear_stored_q8(x, TYPE_IDS[name], data, bias, y)
     else:
-        assert lib.linear_stored_q8(*cpu_kernels._stored_args(x, stored.TYPE_IDS[name], data, bias, y)) == 0
+        assert lib.linear_stored_q8(*cpu_kernels._stored_args(x, TYPE_IDS[name], data, bias, y)) == 0
     return y.numpy().astype(np.float64)
 
 
@@ -170,12 +172,12 @@ def test_zero_blocks_and_outliers(name):
 @needs_kernels
 @pytest.mark.parametrize("name", Q8_TYPES + ["Q4_K", "Q5_K", "Q6_K"])
 def test_int8_dot_is_close_to_the_float32_matmul(name):
-    if name not in Q8_TYPES and not cpu_kernels.int8_dot_supported(stored.TYPE_IDS[name]):
+    if name not in Q8_TYPES and not cpu_kernels.int8_dot_supported(TYPE_IDS[name]):
         pytest.skip("the int8 K-quant dot needs AVX-512 VNNI")
     n, k = 131, 768
     data = quantized_rows(name, n, k, seed=5) if name in Q8_TYPES else random_stored_rows(name, n, k, seed=5)
     x = _activations(4, k, seed=6)
-    dense = stored.dequantize(stored.TYPE_IDS[name], data, k).double()
+    dense = dequantize(TYPE_IDS[name], data, k).double()
     exact = (x.double() @ dense.T).numpy()
     got = int8_linear(name, x, data, None)
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
@@ -185,7 +187,7 @@ def test_int8_dot_is_close_to_the_float32_matmul(name):
 # ---- Q4_K / Q5_K / Q6_K (AVX-512 VNNI builds) ------------------------------------------------------------
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 needs_k_int8 = pytest.mark.skipif(
-    not cpu_kernels.int8_dot_supported(stored.TYPE_IDS["Q4_K"]),
+    not cpu_kernels.int8_dot_supported(TYPE_IDS["Q4_K"]),
     reason="the int8 K-quant dot needs AVX-512 VNNI",
 )
 
@@ -273,7 +275,7 @@ def test_k_quants_at_32_rows_and_more_take_the_exact_kernels(name):
     for rows in (32, 70):
         x = _activations(rows, k, seed=rows)
         exact = torch.empty(rows, n)
-        cpu_kernels.linear_stored(x, stored.TYPE_IDS[name], data, None, exact)
+        cpu_kernels.linear_stored(x, TYPE_IDS[name], data, None, exact)
         assert np.array_equal(int8_linear(name, x, data, None), exact.numpy().astype(np.float64))
 
 
@@ -282,10 +284,10 @@ def test_other_types_and_shapes_are_refused():
     y = torch.empty(2, 8)
     q3_k = torch.zeros(8, 110, dtype=torch.uint8)
     with pytest.raises(ValueError):  # not a type the int8 dot reads
-        cpu_kernels.linear_stored_q8(torch.randn(2, 256), stored.TYPE_IDS["Q3_K"], q3_k, None, y)
+        cpu_kernels.linear_stored_q8(torch.randn(2, 256), TYPE_IDS["Q3_K"], q3_k, None, y)
     q8_0 = torch.zeros(8, 68, dtype=torch.uint8)
     with pytest.raises(ValueError):  # k 48: not whole blocks of 32
-        cpu_kernels.linear_stored_q8(torch.randn(2, 48), stored.TYPE_IDS["Q8_0"], q8_0, None, y)
+        cpu_kernels.linear_stored_q8(torch.randn(2, 48), TYPE_IDS["Q8_0"], q8_0, None, y)
 
 
 # ---- through the CPU decode step ------------------------------------------------------------------------
@@ -345,7 +347,7 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
             assert cos.mean() > lo[0] and cos.min() > lo[1], (name, B, cos.mean(), cos.min())
             assert (cos > 0.995).float().mean() > 0.95, (name, B, cos)
             assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
-        # the LM head: the model's own, its weight's dot int8 in this engine (stored.set_dot): the int8 dot
+        # the LM head: the model's own, its weight's dot int8 in this engine (gguf.stored.set_dot): the int8 dot
         # where the head is a type it reads (llama: the tied Q8_0 embedding; qwen3: Q6_K with AVX-512
         # VNNI), exact otherwise
         h = exact.run(_one_step(engine, seqs[:4, 0], slot0=2000))
@@ -354,7 +356,7 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
         got = engine.model.compute_logits(h).double().numpy()
         part = head.parts[0]
         plain = (h.double() @ part.dequantize().double().T).numpy()
-        kind = stored.STORED_TYPES[part.ggml_type][0]
+        kind = STORED_TYPES[part.ggml_type][0]
         if cpu_kernels.int8_dot_supported(part.ggml_type):
             ref = reference_int8_linear_k if kind in K_TYPES else reference_int8_linear
             want, mag = ref(kind, h.numpy(), part.data.numpy(), *([] if kind in K_TYPES else [None]))
@@ -365,7 +367,7 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
     shutil.rmtree(prepared, ignore_errors=True)  # the cached config directory of this temporary file
 
 
-# ---- stored.linear and prefill -----------------------------------------------------------------------
+# ---- stored_kernels.linear and prefill -----------------------------------------------------------------------
 @needs_kernels
 def test_stored_linear_takes_the_int8_dot_for_its_parts():
     """A weight in parts (a merged QKV): with dot "int8" the Q8_0 and Q4_1 parts equal the int8 reference
@@ -376,16 +378,16 @@ def test_stored_linear_takes_the_int8_dot_for_its_parts():
     data = [
         f16.view(torch.uint8) if nm == "F16" else quantized_rows(nm, n, k, seed=n) for nm, n in zip(names, ns)
     ]
-    parts = [stored.StoredPart(stored.TYPE_IDS[nm], d, n, k) for nm, d, n in zip(names, data, ns)]
-    w = stored.StoredWeight(parts)
+    parts = [StoredPart(TYPE_IDS[nm], d, n, k) for nm, d, n in zip(names, data, ns)]
+    w = StoredWeight(parts)
     x = _activations(37, k, seed=9)
     bias = torch.randn(sum(ns), generator=torch.Generator().manual_seed(2))
     dense = torch.cat([p.dequantize() for p in parts]).double()
     exact = (x.double() @ dense.T + bias.double()).numpy()
-    y_exact = stored.linear(x, w, bias).double().numpy()
+    y_exact = stored_kernels.linear(x, w, bias).double().numpy()
     assert np.allclose(y_exact, exact, rtol=1e-4, atol=1e-4)
     w.dot = "int8"
-    got = stored.linear(x, w, bias).double().numpy()
+    got = stored_kernels.linear(x, w, bias).double().numpy()
     off = 0
     for nm, p in zip(names, parts):
         sl = slice(off, off + p.n)

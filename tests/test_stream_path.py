@@ -21,8 +21,9 @@ from helpers import serving
 
 from minisgl.core import SamplingParams
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, TokenBatch
+from minisgl.models.resolve import resolve_model_path
 from minisgl.tokenizer import DetokenizeManager
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 openai = pytest.importorskip("openai")
 

@@ -18,7 +18,8 @@ import pytest
 from helpers import serving
 from test_tool_calls import ADD, WEATHER, hand_built_tool_prompt
 
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.models.resolve import resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 openai = pytest.importorskip("openai")
 

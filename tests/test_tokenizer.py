@@ -7,8 +7,9 @@ import pytest
 
 from minisgl.core import SamplingParams
 from minisgl.message import DetokenizeMsg, DetokenizeStartMsg, TokenizeMsg
+from minisgl.models.resolve import resolve_model_path
 from minisgl.tokenizer import DetokenizeManager, TokenizeManager
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 UTF8_HEAVY = "Grüße aus 北京！🎉🚀 Ça va? 日本語のテキスト, emoji 👩‍👩‍👧 and ∑ ∫ ≠ math."
 

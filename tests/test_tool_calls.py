@@ -15,6 +15,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from minisgl.core import SamplingParams
 from minisgl.message import TokenizeMsg, UserReply
+from minisgl.models.resolve import resolve_model_path
 from minisgl.service.openai.constraints import requested, single
 from minisgl.service.openai.errors import APIError
 from minisgl.service.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -37,7 +38,7 @@ from minisgl.service.openai.tools import (
     tool_request,
 )
 from minisgl.tokenizer import TokenizeManager
-from minisgl.utils.hf import load_tokenizer, resolve_model_path
+from minisgl.utils.hf import load_tokenizer
 
 WEATHER = {
     "type": "function",

@@ -91,19 +91,34 @@ def attends_sliding_windows(name: str, device: torch.device, dtype: torch.dtype)
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 
 
+def kv_dtype_problem(kv: str, names: list[str]) -> str | None:
+    """What is wrong with KV pool dtype `kv` (a KV_CACHE_DTYPES name) under the registered backends
+    `names`: a float8 pool where one of them does not declare `supports_fp8_kv`; None where nothing is."""
+    if KV_CACHE_DTYPES[kv] is None:
+        return None
+    refused = [n for n in names if not ATTN_BACKENDS.get(n).supports_fp8_kv]
+    if not refused:
+        return None
+    able = [n for n in ATTN_BACKENDS.names() if ATTN_BACKENDS.get(n).supports_fp8_kv]
+    return (
+        f"{kv} needs an attention backend that reads float8 K/V ({', '.join(able)}); "
+        f"{', '.join(refused)} does not: pass --attn {able[0]}"
+    )
+
+
 def kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype, kv: str = "auto") -> torch.dtype:
-    """The KV pool's dtype: the model's, except float32 under the cpu backend, whose C decode kernel reads
-    float32 (half-precision K/V are stored exactly, upcast); `kv` fp8_e4m3 stores K/V as float8 e4m3
-    (rounded to nearest, no scale, as vLLM's fp8 cache without calibrated scales), upcast where read."""
-    names = [resolve_attn_name(n.strip(), device, dtype) for n in name.split(",")]
-    if KV_CACHE_DTYPES[kv] is not None:  # kv is one of them: the option's choices
-        if "cpu" in names:
-            raise ValueError(
-                f"--kv-cache-dtype {kv} needs the triton or torch attention backend "
-                "(the cpu backend's C kernel reads float32 K/V): pass --attn triton or --attn torch"
-            )
+    """The KV pool's dtype: the model's, or the one a backend's kernels read (`kv_dtype`: float32 under
+    the cpu backend); `kv` fp8_e4m3 stores K/V as float8 e4m3 (rounded to nearest, no scale, as vLLM's fp8
+    cache without calibrated scales), upcast where read, under backends that declare `supports_fp8_kv`."""
+    backends = [resolve_attn_name(n.strip(), device, dtype) for n in name.split(",")]
+    problem = kv_dtype_problem(kv, backends)
+    if problem is not None:
+        raise ValueError(f"--kv-cache-dtype {problem}")
+    if KV_CACHE_DTYPES[kv] is not None:
         return KV_CACHE_DTYPES[kv]
-    return torch.float32 if "cpu" in names else dtype
+    needed = {ATTN_BACKENDS.get(n).kv_dtype for n in backends} - {None}
+    assert len(needed) <= 1, f"the backends {backends} need different KV pool dtypes {needed}"
+    return needed.pop() if needed else dtype
 
 
 def create_attn_backend(
@@ -132,5 +147,6 @@ __all__ = [
     "check_attn_name",
     "create_attn_backend",
     "kv_cache_dtype",
+    "kv_dtype_problem",
     "resolve_attn_name",
 ]

@@ -1,5 +1,6 @@
 """The attention-backend interface. A backend stores the step's K/V into the pool and attends over
-each request's whole sequence through the page table."""
+each request's whole sequence through the page table; its FusionPlan tells the attention layer
+(layers/attention.py) which of attention's neighbours run inside its kernels for a batch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,32 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.kernel import Rope
-from minisgl.layers.attention import UNFUSED, FusionPlan
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
     from minisgl.kvcache.pool import KVPool
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Which neighbours of attention run inside another kernel for one batch: decided by the attention
+    backend when it prepares the batch (BaseAttnBackend.fusion_plan) and read by the attention layer. All
+    False: rotary, the KV store, attention and the output projection each run as written."""
+
+    # attention takes q/k unrotated with the layer's Rope and rotates them (after Qwen3's q/k norm) and
+    # stores the new K/V itself: no rotary or KV-store kernel runs before it
+    rope_in_attention: bool = False
+    # the rotary kernel writes the new K/V into the pool (attention reads every key from there)
+    kv_store_in_rotary: bool = False
+    # attention returns its KV splits unmerged (a kernel.SplitAttention) and the output projection's
+    # kernel merges them as it reads its input
+    merge_in_o_proj: bool = False
+    # the decoder layer runs as one launch of the layer kernel (kernel.decode_layer), the backend giving
+    # its attention inputs (layer_inputs); a layer the kernel does not serve ignores it and runs as above
+    whole_layer: bool = False
+
+
+UNFUSED = FusionPlan()
 
 
 @dataclass
@@ -34,6 +56,10 @@ class BaseAttnBackend(ABC):
     # whether the backend attends over a sliding window (AttnConfig.windows); without it, sequences end
     # at the window, within which sliding changes nothing
     sliding_window = False
+    # whether its kernels store into and read from a float8 e4m3 KV pool (--kv-cache-dtype fp8_e4m3)
+    supports_fp8_kv = False
+    # the KV pool dtype its kernels read whatever the model's (None: the model's dtype)
+    kv_dtype: torch.dtype | None = None
 
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         self.config = config
@@ -101,6 +127,8 @@ class HybridBackend(BaseAttnBackend):
         self.prefill, self.decode = prefill, decode
         self.config = decode.config
         self.sliding_window = prefill.sliding_window and decode.sliding_window
+        self.supports_fp8_kv = prefill.supports_fp8_kv and decode.supports_fp8_kv
+        self.kv_dtype = prefill.kv_dtype or decode.kv_dtype
 
     def _pick(self, batch: Batch) -> BaseAttnBackend:
         return self.decode if batch.is_decode else self.prefill

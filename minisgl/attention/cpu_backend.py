@@ -28,6 +28,9 @@ class CpuDecodeMetadata:
 
 class CpuAttnBackend(TorchAttnBackend):
     sliding_window = True
+    # the C decode kernel reads float32 K/V only (half-precision K/V are stored exactly, upcast)
+    supports_fp8_kv = False
+    kv_dtype = torch.float32
 
     def __init__(self, config, kv_pool, page_table) -> None:
         super().__init__(config, kv_pool, page_table)

@@ -45,6 +45,7 @@ def _extend_mask(prefix: int, total: int, window: int, device: torch.device) -> 
 
 class TorchAttnBackend(BaseAttnBackend):
     sliding_window = True
+    supports_fp8_kv = True  # stores with a cast, upcasts what it reads
 
     def prepare_metadata(self, batch: Batch) -> None:
         seq_lens = batch.seq_lens

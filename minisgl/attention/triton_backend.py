@@ -26,10 +26,9 @@ from minisgl.env import ENV
 from minisgl.kernel import Rope, SplitAttention
 from minisgl.kernel.triton import store_kv
 from minisgl.kernel.triton.attention import decode_split, extend_attention, merge_splits
-from minisgl.layers.attention import FusionPlan
 from minisgl.utils.device import HostRing
 
-from .base import AttnConfig, BaseAttnBackend
+from .base import AttnConfig, BaseAttnBackend, FusionPlan
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -96,6 +95,8 @@ def extend_tiles(
 
 class TritonAttnBackend(BaseAttnBackend):
     """Split-KV paged decode and flash-attention extend in Triton; supports CUDA graphs for decode."""
+
+    supports_fp8_kv = True  # the kernels store with a cast and upcast what they read
 
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         super().__init__(config, kv_pool, page_table)

@@ -25,7 +25,7 @@ def load_model(args: argparse.Namespace) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.models.resolve import resolve_model_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = (

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         report["lm_eval_exact_match"] = gen["results"]["exact_match,number"]
     ok = True
     if not a.skip_hf:
-        from minisgl.utils.hf import resolve_model_path
+        from minisgl.models.resolve import resolve_model_path
 
         acc, answers = hf_reference(resolve_model_path(a.model_dir), items)
         report["hf_acc"] = acc

@@ -118,7 +118,7 @@ def main() -> None:
             t0 = time.perf_counter()
             batch = s._schedule()
             t1 = time.perf_counter()
-            out = s._launch(batch)
+            out = s.launcher.launch(batch)
             t2 = time.perf_counter()
             torch.cuda.synchronize()
             t3 = time.perf_counter()
@@ -150,7 +150,7 @@ def main() -> None:
     _steady_decode(s, args.batch, lo, args.context, args.steps + 50, schema=schema)
 
     timers = {"schedule": 0.0, "launch": 0.0, "process": 0.0}
-    orig = {"schedule": s._schedule, "launch": s._launch, "process": s._process}
+    orig = {"schedule": s._schedule, "launch": s.launcher.launch, "process": s._process}
 
     def wrap(name):
         def f(*a, **k):
@@ -162,7 +162,8 @@ def main() -> None:
 
         return f
 
-    s._schedule, s._launch, s._process = wrap("schedule"), wrap("launch"), wrap("process")
+    s._schedule, s._process = wrap("schedule"), wrap("process")
+    s.launcher.launch = wrap("launch")
     t = time.perf_counter()
     for _ in range(args.steps):
         s.step()
@@ -224,7 +225,7 @@ def timeline(args: argparse.Namespace) -> None:
     llm.generate(w.prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True)] * 8)
     s = llm.scheduler
     steps: list = []  # [phase, batch size, tokens, wall s, schedule s, launch s]
-    orig_schedule, orig_step, orig_launch = s._schedule, s.step, s._launch
+    orig_schedule, orig_step, orig_launch = s._schedule, s.step, s.launcher.launch
 
     def schedule():
         t = time.perf_counter()
@@ -254,7 +255,7 @@ def timeline(args: argparse.Namespace) -> None:
             steps[-1][3] += time.perf_counter() - t
         return out
 
-    s._schedule, s.step, s._launch = schedule, step, launch
+    s._schedule, s.step, s.launcher.launch = schedule, step, launch
     t = time.perf_counter()
     llm.generate(w.prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in w.outputs])
     total = time.perf_counter() - t
@@ -380,7 +381,7 @@ def _profile_decode(s, args: argparse.Namespace) -> tuple[list[dict], list, dict
                 synchronize(device)
             time.sleep(0.002)
             graphed = runner is not None and runner.replays - replays == PROFILE_STEPS
-            runs.append({"keys": keys, "graphed": graphed, "ran": s.last_batch_size, "range": name})
+            runs.append({"keys": keys, "graphed": graphed, "ran": s.launcher.last_batch_size, "range": name})
             if i + 1 < len(args.batch):
                 _drain(s)
     _drain(s)  # the last batch size's, outside the session

@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=18977)
     args = ap.parse_args(argv)
 
-    from minisgl.utils.hf import default_model_path, load_tokenizer, resolve_model_path
+    from minisgl.models.resolve import default_model_path, resolve_model_path
+    from minisgl.utils.hf import load_tokenizer
 
     gguf = default_model_path()
     tokenizer = load_tokenizer(resolve_model_path(None))

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
+from minisgl.gguf.blocks import STORED_TYPES, TYPE_IDS
 from minisgl.kernel import cpu as cpu_kernels
-from minisgl.kernel import stored
 
 LAYERS, HIDDEN, INTER, QKV = 30, 576, 1536, 960
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (N, K) per projection
@@ -26,8 +26,8 @@ SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
 def random_weights(name: str, seed: int = 0) -> list[list[torch.Tensor]]:
     """LAYERS x SHAPES stored weights of type `name`: random quants, fp16 scales (and minimums) 0.01."""
-    t = stored.TYPE_IDS[name]
-    _, qk, nbytes = stored.STORED_TYPES[t]
+    t = TYPE_IDS[name]
+    _, qk, nbytes = STORED_TYPES[t]
     rng = np.random.default_rng(seed)
     scales = 2 if name == "Q4_1" else 1
     layers = []
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     lib = cpu_kernels._load()
     assert lib is not None, "CPU kernels unavailable"
     weights = random_weights(args.type)
-    t = stored.TYPE_IDS[args.type]
+    t = TYPE_IDS[args.type]
     nbytes = sum(w.numel() for layer in weights for w in layer)
     kernels = {"exact": lib.linear_stored, "int8": lib.linear_stored_q8}
     for rows in (int(r) for r in args.rows.split(",")):

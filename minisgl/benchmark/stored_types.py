@@ -18,6 +18,8 @@ import time
 import numpy as np
 import torch
 
+from minisgl.gguf.blocks import SCALE_OFFSETS, STORED_TYPES, TYPE_IDS
+from minisgl.gguf.stored import STORED_DOTS, StoredPart, StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import stored
 
@@ -26,21 +28,19 @@ SHAPES = [(3072, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
-def random_layers(
-    name: str, layers: int, seed: int = 0, dot: str = "exact"
-) -> list[list[stored.StoredWeight]]:
-    t = stored.TYPE_IDS[name]
-    _, qk, nbytes = stored.STORED_TYPES[t]
+def random_layers(name: str, layers: int, seed: int = 0, dot: str = "exact") -> list[list[StoredWeight]]:
+    t = TYPE_IDS[name]
+    _, qk, nbytes = STORED_TYPES[t]
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(layers):
         layer = []
         for n, k in SHAPES:
             blocks = rng.integers(0, 256, size=(n * k // qk, nbytes), dtype=np.uint8)
-            for off in stored.SCALE_OFFSETS[name]:
+            for off in SCALE_OFFSETS[name]:
                 blocks[:, off : off + 2] = np.full((len(blocks), 1), 0.01, np.float16).view(np.uint8)
             data = torch.from_numpy(blocks.reshape(n, -1))
-            w = stored.StoredWeight([stored.StoredPart(t, data, n, k)])
+            w = StoredWeight([StoredPart(t, data, n, k)])
             w.dot = dot
             layer.append(w)
         out.append(layer)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="1,3,16", help="rows of x, comma-separated")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--dot", choices=stored.STORED_DOTS, default="exact", help="how the weights multiply")
+    ap.add_argument("--dot", choices=STORED_DOTS, default="exact", help="how the weights multiply")
     args = ap.parse_args(argv)
     assert cpu_kernels.available(), "CPU kernels unavailable"
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         layers = random_layers(name, args.layers, dot=args.dot)
         nbytes = sum(w.nbytes for layer in layers for w in layer)
         weights = sum(n * k for n, k in SHAPES) * args.layers
-        exact = args.dot == "int8" and not cpu_kernels.int8_dot_supported(stored.TYPE_IDS[name])
+        exact = args.dot == "int8" and not cpu_kernels.int8_dot_supported(TYPE_IDS[name])
         line = [f"{name:5s}" + (" (exact)" if exact else "")]
         for rows in rows_list:
             xs = {k: torch.randn(rows, k) for k in (HIDDEN, INTER)}

@@ -36,12 +36,12 @@ def random_blocks(name: str, n: int, k: int, spread: float, rng: np.random.Gener
     standard deviation (one fp16 scale per block, or two: the minimum's the same)."""
     import gguf
 
-    from minisgl.kernel import stored
+    from minisgl.gguf.blocks import SCALE_OFFSETS
 
     qtype = gguf.GGMLQuantizationType[name]
     qk, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n * k // qk, nbytes), dtype=np.uint8)
-    offsets = stored.SCALE_OFFSETS[name]
+    offsets = SCALE_OFFSETS[name]
     for off in offsets:
         blocks[:, off : off + 2] = np.float16(1.0).reshape(1, 1).view(np.uint8)
     unit = float(gguf.quants.dequantize(blocks[:256], qtype).std())  # the spread at unit scales
@@ -54,7 +54,7 @@ def random_blocks(name: str, n: int, k: int, spread: float, rng: np.random.Gener
 def main(argv: list[str] | None = None) -> None:
     import gguf
 
-    from minisgl.utils.hf import default_model_path
+    from minisgl.models.resolve import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             tensors += [(f"blk.{i}.ffn_down", h, inter)]
     tensors += [("output_norm", 1, h), ("output", vocab, h)]
     if args.rope_freqs:
-        from minisgl.utils.gguf_file import llama3_factors
+        from minisgl.gguf.config import llama3_factors
 
         factors = llama3_factors(head_dim, 500000.0, 32.0, 1.0, 4.0, 8192)
         writer.add_tensor("rope_freqs.weight", factors)

@@ -9,7 +9,7 @@ PEER=${2:-bfloat16}
 shift $(( $# < 2 ? $# : 2 ))
 OUT=${OUT:-/tmp/w4}
 mkdir -p "$OUT"
-MODEL_DIR=$(python -c "from minisgl.utils.hf import resolve_model_path; print(resolve_model_path(None))" | tail -1)
+MODEL_DIR=$(python -c "from minisgl.models.resolve import resolve_model_path; print(resolve_model_path(None))" | tail -1)
 
 wait_ready() {  # url pid
     for _ in $(seq 600); do

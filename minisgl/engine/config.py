@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention import KV_CACHE_DTYPES, check_attn_name
+from minisgl.attention import KV_CACHE_DTYPES, check_attn_name, kv_dtype_problem
 from minisgl.distributed import DistributedInfo
-from minisgl.kernel.stored import STORED_DOTS
+from minisgl.gguf.stored import STORED_DOTS
 from minisgl.utils.options import OptionError, check, option
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,10 +151,10 @@ class EngineConfig:
             check_attn_name(self.attn)
         except ValueError as e:
             raise OptionError("attn", str(e)) from None
-        if self.kv_cache_dtype != "auto" and "cpu" in (n.strip() for n in self.attn.split(",")):
-            raise OptionError(
-                "kv_cache_dtype", f"{self.kv_cache_dtype} needs the triton or torch attention backend"
-            )
+        named = [n.strip() for n in self.attn.split(",") if n.strip() != "auto"]  # auto: when resolved
+        problem = kv_dtype_problem(self.kv_cache_dtype, named)
+        if problem is not None:
+            raise OptionError("kv_cache_dtype", problem)
 
 
 def check_parallel(c: EngineConfig) -> None:

@@ -19,7 +19,8 @@ import torch
 
 from minisgl import kernel
 from minisgl.attention.cpu_backend import CpuAttnBackend
-from minisgl.kernel import StoredWeight, stored
+from minisgl.gguf.blocks import TYPE_IDS
+from minisgl.gguf.stored import StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel.cpu import layout
 from minisgl.kernel.cpu.layout import Descriptor
@@ -205,7 +206,7 @@ class CpuDecodeStep:
         except (Unsupported, AttributeError) as e:
             logger.info(f"CPU decode step off ({e or 'not a Llama-family model'}): layer by layer")
             return None
-        kq = "/Q4_K/Q5_K/Q6_K" if cpu_kernels.int8_dot_supported(stored.TYPE_IDS["Q4_K"]) else ""
+        kq = "/Q4_K/Q5_K/Q6_K" if cpu_kernels.int8_dot_supported(TYPE_IDS["Q4_K"]) else ""
         dot = f", int8 activations for Q4_0/Q4_1/Q8_0{kq} weights" if stored_dot == "int8" else ""
         logger.info(f"CPU decode step on: each decode batch's layers in one C call{dot}")
         return step

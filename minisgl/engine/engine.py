@@ -5,7 +5,6 @@ It computes; it never decides. The scheduler hands it a prepared Batch and gets 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,14 +12,14 @@ import torch
 
 from minisgl import kernel
 from minisgl.attention import AttnConfig, attends_sliding_windows, create_attn_backend, kv_cache_dtype
-from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.core import Batch
 from minisgl.distributed import all_reduce_min, destroy_process_group, init_process_group, set_tp_info
+from minisgl.gguf import stored
 from minisgl.grammar import TokenMask, apply_token_mask
-from minisgl.kernel import StoredWeight, stored
 from minisgl.kvcache import KVPool
+from minisgl.layers.context import Context, set_global_ctx
 from minisgl.models import ModelConfig, create_model
-from minisgl.models.gguf_weights import load_gguf, load_stored_safetensors
-from minisgl.models.weights import init_dummy_weights, iter_safetensors, load_weights
+from minisgl.models.resolve import resolve_model_path
 from minisgl.moe import create_moe_backend
 from minisgl.utils import init_logger
 from minisgl.utils.device import (
@@ -31,13 +30,13 @@ from minisgl.utils.device import (
     set_cpu_threads,
     synchronize,
 )
-from minisgl.utils.gguf_file import GGUF_LINK
-from minisgl.utils.hf import load_hf_config, pooling_of, resolve_model_path
+from minisgl.utils.hf import load_hf_config, pooling_of
 
 from .config import EngineConfig
 from .cpu_step import CpuDecodeStep
 from .graph import DecodeGraphRunner, GraphDeps, PrefillGraphRunner
 from .sampler import Sampler
+from .weight_loading import load_model_weights, resident_weight_bytes
 
 logger = init_logger(__name__)
 
@@ -99,82 +98,74 @@ def _pick_dtype(hf_config, device: torch.device) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def _resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights: float parameters and stored weights, each counted once (tied)."""
-    seen, total = set(), 0
-    for module in model.modules():
-        for w in list(module._parameters.values()) + stored.held_by(module):
-            if w is None or id(w) in seen:
-                continue
-            seen.add(id(w))
-            if isinstance(w, StoredWeight):
-                total += w.nbytes
-            elif isinstance(w, torch.Tensor):
-                total += w.numel() * w.element_size()
-    return total
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         tp = config.tp_info
         set_tp_info(tp)
-        self.device = pick_device(config.device)
-        if is_cuda(self.device):  # each node runs tp_size / nnodes ranks on its own GPUs
-            local_rank = tp.rank % (tp.size // config.nnodes)
-            self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
-        else:
-            threads = set_cpu_threads(tp.size // config.nnodes)
-            keep_freed_memory()
-            logger.info(f"CPU engine: {threads} threads")
-
-        self.model_dir = resolve_model_path(config.model_path, config.weights_format)
-        hf_config = load_hf_config(self.model_dir)
-        self.model_config = ModelConfig.from_hf(hf_config)
-        self.pooling = pooling_of(self.model_dir, config.pooling)  # what an embedding request pools
-        self.model_config.check_tp(tp.size, tp.ep_size)  # on every rank, before any rank waits for the others
+        self.device = self._pick_device()
+        hf_config = self._read_model_config()
         init_process_group(tp.rank, tp.size, config.dist_init_method, self.device, config.dist_timeout)
         self.dtype = config.dtype or _pick_dtype(hf_config, self.device)
         self.max_seq_len = self._max_seq_len()
         self.moe_backend = (
             create_moe_backend(config.moe_backend, self.device) if self.model_config.moe else None
         )
+        self._init_model()
+        attn_cfg = self._attn_config()
+        self._init_pools(attn_cfg)
+        graphs = self._init_compute(attn_cfg)
+        self.memory = self._report_memory(graphs)
+        logger.info(
+            f"Engine ready: {self.model_config.architecture} {self.dtype} on {self.device}, "
+            f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
+            f"attention {type(self.attn_backend).__name__}"
+        )
 
+    # ---- construction ----------------------------------------------------------------------------
+    def _pick_device(self) -> torch.device:
+        """This rank's device: its GPU (each node runs tp_size / nnodes ranks on its own GPUs), or the CPU
+        with its share of the threads."""
+        tp, nnodes = self.config.tp_info, self.config.nnodes
+        device = pick_device(self.config.device)
+        if is_cuda(device):
+            local_rank = tp.rank % (tp.size // nnodes)
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            threads = set_cpu_threads(tp.size // nnodes)
+            keep_freed_memory()
+            logger.info(f"CPU engine: {threads} threads")
+        return device
+
+    def _read_model_config(self) -> Any:
+        """Resolve the model and read its config (`model_dir`, `model_config`, `pooling`); the HF config."""
+        tp = self.config.tp_info
+        self.model_dir = resolve_model_path(self.config.model_path, self.config.weights_format)
+        hf_config = load_hf_config(self.model_dir)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.pooling = pooling_of(self.model_dir, self.config.pooling)  # what an embedding request pools
+        self.model_config.check_tp(tp.size, tp.ep_size)  # on every rank, before any rank waits for the others
+        return hf_config
+
+    def _init_model(self) -> None:
+        """The model, its weights loaded, in eval mode."""
+        config = self.config
         torch.manual_seed(config.seed)
         self.model = self._build_model()
-        self._load_weights()
+        self.weight_bytes = load_model_weights(
+            self.model, self.model_config, config, self.model_dir, self.device
+        )
         self.model.eval()
         if config.stored_dot != "exact":  # how the stored weights' linear layers multiply (the kernels')
             stored.set_dot(self.model, config.stored_dot)
 
-        cfg = self.model_config
-        attn_cfg = AttnConfig(
-            num_heads=cfg.num_heads // tp.size,
-            num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
-            head_dim=cfg.head_dim,
-            max_seq_len=self.max_seq_len,
-            device=self.device,
-            dtype=self.dtype,
-            windows=cfg.attn_windows,
-        )
-        self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype, config.kv_cache_dtype)
-        self.num_pages = self._plan_pages(attn_cfg)
-        # one page beyond num_pages: the dummy page that CUDA-graph padding writes
-        pages, kv_heads = self.num_pages + 1, attn_cfg.num_kv_heads
-        self.kv_pool = KVPool(
-            cfg.num_layers, pages, config.page_size, kv_heads, cfg.head_dim, self.kv_dtype, self.device
-        )
-        rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
-        self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
-        self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
-        # graph padding reads the dummy row and writes its K/V into the first slot of the dummy page
-        self.dummy_row, self.dummy_slot = config.max_running_req, self.num_pages * config.page_size
-        self.page_table[self.dummy_row].fill_(self.dummy_slot)
-        assert self.kv_pool.num_slots > self.dummy_slot, "the pool has one page beyond num_pages"
+    def _init_compute(self, attn_cfg: AttnConfig) -> int:
+        """The attention backend, this engine's Context, the sampler, the CUDA graphs and the CPU decode
+        step; the bytes the graphs took (CUDA's pool growth while capturing)."""
+        config = self.config
         self.attn_backend = create_attn_backend(config.attn, attn_cfg, self.kv_pool, self.page_table)
         self.ctx = Context(
-            page_size=config.page_size,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
             moe_backend=self.moe_backend,
@@ -190,21 +181,41 @@ class Engine:
         self.cpu_step = None
         if self.device.type == "cpu" and config.cpu_decode_step == "auto":
             self.cpu_step = CpuDecodeStep.create(
-                self.model,
-                self.kv_pool,
-                self.page_table,
-                self.attn_backend,
-                self.dtype,
-                config.stored_dot,
+                self.model, self.kv_pool, self.page_table, self.attn_backend, self.dtype, config.stored_dot
             )
-        self.memory = self._report_memory(graphs)
-        logger.info(
-            f"Engine ready: {cfg.architecture} {self.dtype} on {self.device}, "
-            f"{self.num_pages} pages x {config.page_size} tokens, max_seq_len {self.max_seq_len}, "
-            f"attention {type(self.attn_backend).__name__}"
+        return graphs
+
+    def _attn_config(self) -> AttnConfig:
+        """This rank's share of the attention heads, and the sequence limits the backends plan for."""
+        cfg, tp = self.model_config, self.config.tp_info
+        return AttnConfig(
+            num_heads=cfg.num_heads // tp.size,
+            num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
+            head_dim=cfg.head_dim,
+            max_seq_len=self.max_seq_len,
+            device=self.device,
+            dtype=self.dtype,
+            windows=cfg.attn_windows,
         )
 
-    # ---- construction ----------------------------------------------------------------------------
+    def _init_pools(self, attn_cfg: AttnConfig) -> None:
+        """The KV pool (as many pages as the memory holds), the page table and the token pool."""
+        config, cfg = self.config, self.model_config
+        self.kv_dtype = kv_cache_dtype(config.attn, self.device, self.dtype, config.kv_cache_dtype)
+        self.num_pages = self._plan_pages(attn_cfg)
+        # one page beyond num_pages: the dummy page that CUDA-graph padding writes
+        pages, kv_heads = self.num_pages + 1, attn_cfg.num_kv_heads
+        self.kv_pool = KVPool(
+            cfg.num_layers, pages, config.page_size, kv_heads, cfg.head_dim, self.kv_dtype, self.device
+        )
+        rows = config.max_running_req + 1  # the last row is a dummy used to pad CUDA-graph batches
+        self.page_table = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
+        self.token_pool = torch.zeros(rows, self.max_seq_len, dtype=torch.int32, device=self.device)
+        # graph padding reads the dummy row and writes its K/V into the first slot of the dummy page
+        self.dummy_row, self.dummy_slot = config.max_running_req, self.num_pages * config.page_size
+        self.page_table[self.dummy_row].fill_(self.dummy_slot)
+        assert self.kv_pool.num_slots > self.dummy_slot, "the pool has one page beyond num_pages"
+
     def _max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         window = max(self.model_config.attn_windows, default=0)
@@ -230,45 +241,6 @@ class Engine:
                 return create_model(self.model_config)
             finally:
                 torch.set_default_dtype(prev)
-
-    def _load_weights(self) -> None:
-        if self.config.load_format == "dummy":
-            init_dummy_weights(self.model, self.config.seed)
-            return
-        if self.config.load_format not in ("auto", "safetensors"):
-            raise ValueError(f"unknown load_format {self.config.load_format!r} (auto, safetensors, dummy)")
-        show = self.config.show_progress and self.config.tp_info.is_primary()
-        gguf_file = os.path.join(self.model_dir, GGUF_LINK)
-        stored_bytes = 0
-        if os.path.exists(gguf_file):  # a .gguf file prepared to be read as stored (utils/gguf_file.py)
-            # auto: as stored on one CPU rank; on a GPU or with TP, dequantized into the float parameters
-            keep = self.device.type == "cpu" and self.config.tp_info.size == 1
-            keep = keep and self.config.weights_format != "float32"
-            if self.config.weights_format == "stored" and (not keep or self.config.tp_info.size > 1):
-                raise ValueError(
-                    "stored GGUF weights run on a CPU with one rank; use --weights-format float32"
-                )
-            if (
-                keep
-                and self.model_config.moe is not None
-                and self.config.moe_backend not in ("auto", "torch")
-            ):
-                raise ValueError(
-                    "GGUF experts read as stored run on the torch MoE backend: pass --moe-backend torch, "
-                    "or --weights-format float32"
-                )
-            stored_bytes = load_gguf(self.model, gguf_file, keep_stored=keep, show_progress=show)
-        elif self.config.weights_format == "stored":  # bf16/fp16 matrices kept in half precision
-            if self.device.type != "cpu" or self.config.tp_info.size > 1:
-                raise ValueError("--weights-format stored runs on a CPU with one rank")
-            if self.model_config.moe is not None:
-                raise ValueError("--weights-format stored does not hold MoE experts; use float32")
-            stored_bytes = load_stored_safetensors(self.model, self.model_dir, show)
-        else:
-            load_weights(self.model, iter_safetensors(self.model_dir, show), show)
-        self.weight_bytes = _resident_weight_bytes(self.model)
-        kept = f", {stored_bytes / 2**20:.1f} MiB of them as stored" if stored_bytes else ""
-        logger.info(f"Weights: {self.weight_bytes / 2**20:.1f} MiB resident{kept}")
 
     def _plan_pages(self, attn_cfg: AttnConfig) -> int:
         cfg, page = self.model_config, self.config.page_size
@@ -301,7 +273,7 @@ class Engine:
     def _report_memory(self, graphs: int) -> dict[str, int]:
         """This rank's bytes of weights, KV pool and graph buffers (CUDA's pool growth while capturing),
         logged per rank."""
-        weights = _resident_weight_bytes(self.model)  # stored GGUF blocks too, tied matrices once
+        weights = resident_weight_bytes(self.model)  # stored GGUF blocks too, tied matrices once
         kv = sum(t.numel() * t.element_size() for t in (self.kv_pool.k_buffer, self.kv_pool.v_buffer))
         memory = {"weights": weights, "kv_pool": kv, "graphs": graphs}
         tp = self.config.tp_info

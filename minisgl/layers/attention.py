@@ -1,42 +1,21 @@
 """The attention layer: rotary, the KV store and attention of the current batch, run by the attention
-backend in the Context and cut into kernels as the backend's FusionPlan for that batch says."""
+backend in the Context and cut into kernels as the backend's FusionPlan for that batch says
+(attention/base.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from minisgl.core import get_global_ctx
 from minisgl.kernel import SplitAttention
+
+from .context import get_global_ctx
 
 if TYPE_CHECKING:
     from .norm import RMSNorm
     from .rotary import RotaryEmbedding
-
-
-@dataclass(frozen=True)
-class FusionPlan:
-    """Which neighbours of attention run inside another kernel for one batch: decided by the attention
-    backend when it prepares the batch (BaseAttnBackend.fusion_plan) and read by the attention layer. All
-    False: rotary, the KV store, attention and the output projection each run as written."""
-
-    # attention takes q/k unrotated with the layer's Rope and rotates them (after Qwen3's q/k norm) and
-    # stores the new K/V itself: no rotary or KV-store kernel runs before it
-    rope_in_attention: bool = False
-    # the rotary kernel writes the new K/V into the pool (attention reads every key from there)
-    kv_store_in_rotary: bool = False
-    # attention returns its KV splits unmerged (a kernel.SplitAttention) and the output projection's
-    # kernel merges them as it reads its input
-    merge_in_o_proj: bool = False
-    # the decoder layer runs as one launch of the layer kernel (kernel.decode_layer), the backend giving
-    # its attention inputs (layer_inputs); a layer the kernel does not serve ignores it and runs as above
-    whole_layer: bool = False
-
-
-UNFUSED = FusionPlan()
 
 
 class AttentionLayer(nn.Module):

@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl import kernel
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.gguf.stored import StoredWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[:rows].copy_(loaded[self.start : self.end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, kernel.StoredWeight):  # one rank only: rows dequantized on lookup
+        if isinstance(self.weight, StoredWeight):  # one rank only: rows dequantized on lookup
             return kernel.stored.embedding(input_ids, self.weight)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)

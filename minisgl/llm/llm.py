@@ -11,9 +11,10 @@ from typing import Any
 from minisgl.core import InvalidRequest, PromptLogprobs, SamplingParams
 from minisgl.grammar import check_grammar
 from minisgl.models import ModelConfig
+from minisgl.models.resolve import resolve_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig, StepOutput
 from minisgl.utils import init_logger
-from minisgl.utils.hf import load_hf_config, load_tokenizer, resolve_model_path
+from minisgl.utils.hf import load_hf_config, load_tokenizer
 from minisgl.utils.net import free_port
 from minisgl.utils.options import build
 

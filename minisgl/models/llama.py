@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from minisgl import kernel
-from minisgl.core import get_global_ctx
 from minisgl.layers import (
     AttentionLayer,
     ParallelLMHead,
@@ -21,6 +20,7 @@ from minisgl.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from minisgl.layers.context import get_global_ctx
 from minisgl.layers.linear import ColumnParallelLinear
 from minisgl.moe import SparseMoeBlock
 

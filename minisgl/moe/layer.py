@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from minisgl import kernel
-from minisgl.core import get_global_ctx
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel import cpu
+from minisgl.layers.context import get_global_ctx
 
 # checkpoint names of each expert's projections (Qwen3-MoE / Mixtral) -> (stacked tensor, part of w13)
 _EXPERT_PROJ = {

@@ -1,6 +1,7 @@
 """The scheduler: continuous batching, prefix cache, chunked prefill, overlap scheduling, retraction."""
 
 from .config import SchedulerConfig
-from .scheduler import Scheduler, StepOutput
+from .output import StepOutput
+from .scheduler import Scheduler
 
 __all__ = ["Scheduler", "SchedulerConfig", "StepOutput"]

@@ -1,4 +1,4 @@
-"""DecodeManager: the running set, and retraction when decode cannot get a KV page."""
+"""DecodeManager: the running set (retraction.py gives its requests their pages, retracting when the pool is short)."""
 
 from __future__ import annotations
 

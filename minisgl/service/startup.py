@@ -88,7 +88,7 @@ def check_model(model_dir: str, tp_size: int = 1, ep_size: int = 1) -> None:
 def prepare(args: ServerArgs) -> tuple[ServerArgs, socket.socket | None]:
     """Everything checked before a worker starts: the port first (instant), then the model (a .gguf is
     converted here, once)."""
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.models.resolve import resolve_model_path
 
     sock = None if args.shell or args.node_rank > 0 else bind_port(args.host, args.port)
     try:

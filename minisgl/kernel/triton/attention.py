@@ -30,7 +30,7 @@ from .launch import gdc_begin, launch_opts, pdl
 from .rotary import rope_consts, rope_rows
 
 if TYPE_CHECKING:
-    from minisgl.kernel import Rope
+    from minisgl.kernel.args import Rope
 
 _MERGE_ROWS = 32  # (head, split) rows of partial outputs one merge program holds
 _LOG2E = 1.4426950408889634

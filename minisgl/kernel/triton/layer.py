@@ -36,7 +36,7 @@ from .gemv import _dot, _merged_block, _normed_block, _row_block, _row_rstd, _st
 from .launch import gdc_begin, launch_opts, pdl
 
 if TYPE_CHECKING:
-    from minisgl.kernel import LayerWeights
+    from minisgl.kernel.args import LayerWeights
 
 _STAGES = 5
 

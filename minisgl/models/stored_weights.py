@@ -1,97 +1,32 @@
-"""Loading weights as stored: a .gguf file's tensors (each projection, the embedding and an untied
-LM head become a kernel.StoredWeight over the file's blocks; norms and biases are dequantized), or all
-dequantized into the float parameters (on a GPU); and a safetensors checkpoint's bf16/fp16 matrices kept
-in half precision.
-
-llama.cpp's converter permutes the rows of a Llama q/k projection for its interleaved rotary; the rows
-are put back in Hugging Face's order here (whole rows of blocks move, nothing is requantized)."""
+"""Loading weights as stored into a model: a .gguf file's tensors (gguf/tensors.py: each projection, the
+embedding and an untied LM head become a gguf.StoredWeight over the file's blocks; norms and biases are
+dequantized), or all dequantized into the float parameters (on a GPU); and a safetensors checkpoint's
+bf16/fp16 matrices kept in half precision."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from minisgl.kernel import stored
+from minisgl.gguf import stored
+from minisgl.gguf.blocks import STORED_TYPES, dequantize_any
+from minisgl.gguf.tensors import iter_gguf
 from minisgl.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minisgl.moe import Experts
-from minisgl.utils.gguf_file import field, open_gguf
 
 from .weights import iter_safetensors, merged_name
 
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    # a sparse layer (Qwen3-MoE, Mixtral): the router and every expert's projection in one 3-D tensor
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
 _STACKED_EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 
 
-def hf_name(name: str) -> str:
-    """A GGUF tensor name -> the Hugging Face one."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m is None or m.group(2) not in _BLOCK:
-        raise ValueError(f"GGUF tensor {name!r} has no place in the model")
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
-
-
-def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (transformers' reverse_permute, on rows of any kind)."""
-    n = rows.shape[0]
-    idx = torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
-    return rows[idx]
-
-
-def iter_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, stored.StoredPart]]:
-    """(HF name, the tensor as stored: rows of blocks [n, row_bytes], n = 1 for a vector) per tensor."""
-    reader = open_gguf(path)
-    permute = field(reader, "general.architecture") == "llama"
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # Llama 3's rope scaling, read into the config (utils/gguf_file.py)
-            continue
-        name = hf_name(t.name)
-        shape = [int(s) for s in t.shape]  # GGUF order: the contiguous dim first
-        k, n = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        rows = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(n, -1))
-        if permute and (".q_proj." in name or ".k_proj." in name):
-            heads = num_heads if ".q_proj." in name else num_kv_heads
-            rows = _unpermute(rows, heads) if n > 1 else _unpermute(rows.view(k, -1), heads).view(1, -1)
-        yield name, stored.StoredPart(int(t.tensor_type), rows, n, k)
-
-
-def _dense(part: stored.StoredPart, name: str) -> torch.Tensor:
-    """The tensor dequantized to float32 (gguf.quants for types without a torch reference)."""
-    if part.ggml_type in stored.STORED_TYPES:
-        out = part.dequantize()
-    else:
-        import gguf
-
-        out = torch.from_numpy(gguf.quants.dequantize(part.data.numpy(), part.ggml_type).copy())
-    return out.reshape(part.n, part.k) if part.n > 1 else out.reshape(part.k)
+def _dense(part: stored.StoredPart) -> torch.Tensor:
+    """The tensor dequantized to float32 ([n, k], or [k] for a vector)."""
+    out = dequantize_any(part.ggml_type, part.data, part.k)
+    return out if part.n > 1 else out.reshape(part.k)
 
 
 def _keep_stored(module: nn.Module, attr: str, part: stored.StoredPart, name: str) -> bool:
@@ -99,13 +34,13 @@ def _keep_stored(module: nn.Module, attr: str, part: stored.StoredPart, name: st
     layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Experts)
     if attr != "weight" or part.n == 1 or part.ggml_type == 0 or not isinstance(module, layers):
         return False
-    if part.ggml_type not in stored.STORED_TYPES:
+    if part.ggml_type not in STORED_TYPES:
         import gguf
 
         kind = gguf.GGMLQuantizationType(part.ggml_type).name
         raise ValueError(
             f"GGUF tensor {name!r} is {kind}, which is not kept as stored "
-            f"({', '.join(n for n, _, _ in stored.STORED_TYPES.values())} are); "
+            f"({', '.join(n for n, _, _ in STORED_TYPES.values())} are); "
             "--weights-format float32 converts the file instead"
         )
     return True
@@ -161,7 +96,7 @@ def _load_parts(model: nn.Module, tensors: Iterator[tuple[str, stored.StoredPart
         if keep_stored and _keep_stored(module, attr, part, hf):
             pending.setdefault(module_name, {})[idx] = part
         else:
-            module.load_shard(attr, _dense(part, hf), idx)
+            module.load_shard(attr, _dense(part), idx)
         loaded.add(name)
     for module_name, parts in pending.items():
         _install(modules[module_name], [parts[i] for i in sorted(parts)])
@@ -207,7 +142,7 @@ def _load_experts(module: Experts, projs: dict[str, stored.StoredPart], keep_sto
         )
         return sum(p.data.numel() for p in projs.values())
     for proj, part in projs.items():
-        dense = _dense(part, f"{name}.{proj}").reshape(num, part.n // num, part.k)
+        dense = _dense(part).reshape(num, part.n // num, part.k)
         for e in range(num):
             module.load_expert(e, proj, dense[e])
     return 0

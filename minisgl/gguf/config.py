@@ -1,25 +1,16 @@
-"""A .gguf file read as stored: its metadata as a Hugging Face config, its tokenizer, and its tensors as
-memory-mapped rows of blocks (the `gguf` package's reader; nothing is dequantized here).
-
-`prepare_stored` writes a small cached directory (config.json, the tokenizer, a link to the file) that
-the rest of the engine reads like any model directory; the weights stay in the .gguf file."""
+"""The Hugging Face config of a .gguf file's model, from its llama.cpp metadata keys: the architecture and
+shapes, the expert layout, the rope scaling (llama.cpp's `rope.scaling.*` keys, or a Llama 3.1+
+`rope_freqs` tensor read back as HF's llama3 scaling) and the special tokens."""
 
 from __future__ import annotations
 
-import fcntl
-import json
 import math
-import os
-import shutil
 from typing import Any
 
 import numpy as np
 
-from .logger import init_logger, logged_step
+from .reader import field
 
-logger = init_logger(__name__)
-
-GGUF_LINK = "model.gguf"  # in a prepared directory: the file the weights are read from
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -27,21 +18,6 @@ _ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # llama.cpp's architecture names that are not HF's model_type
-
-
-def open_gguf(path: str) -> Any:
-    """The gguf package's reader over a copy-on-write map: tensors are views of the file's pages (shared
-    with the page cache, read on first touch), writable in memory, the file never written."""
-    try:
-        import gguf
-    except ImportError:
-        raise ValueError("reading a .gguf file needs the package 'gguf': pip install gguf") from None
-    return gguf.GGUFReader(path, "c")
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def hf_config(reader: Any) -> dict[str, Any]:
@@ -178,33 +154,19 @@ def llama3_scaling(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     raise ValueError("the GGUF file's rope_freqs.weight matches no llama3 rope scaling; it is not supported")
 
 
-def prepare_stored(gguf_path: str, out: str) -> str:
-    """Write `out` (config, tokenizer, a link to the file) once; later starts find it, and point its link
-    at `gguf_path` (the same contents may have been prepared from another path, since removed)."""
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(out, "config.json")):
-            link = os.path.join(out, GGUF_LINK)
-            if os.readlink(link) != os.path.abspath(gguf_path):
-                if os.path.lexists(link + ".tmp"):
-                    os.remove(link + ".tmp")
-                os.symlink(os.path.abspath(gguf_path), link + ".tmp")
-                os.replace(link + ".tmp", link)
-            return out
-        logger.info(f"Preparing {gguf_path} (first start only): its config and tokenizer into {out}")
-        reader = open_gguf(gguf_path)
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        if field(reader, "tokenizer.ggml.model") is not None:  # test files may have none
-            with logged_step(logger, "Reading the tokenizer from the GGUF file (transformers)"):
-                from transformers import AutoTokenizer
-
-                folder, fname = os.path.split(os.path.abspath(gguf_path))
-                AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(reader), f, indent=2)
-        os.symlink(os.path.abspath(gguf_path), os.path.join(tmp, GGUF_LINK))
-        os.replace(tmp, out)
-    return out
+def complete_config(reader: Any, config: Any) -> None:
+    """Put back into a transformers config read from the file (`AutoConfig(..., gguf_file=...)`) what
+    transformers' GGUF reader leaves out, as `hf_config` reads it: the rope scaling (llama.cpp's
+    rope.scaling metadata, a Llama 3.1+ rope_freqs tensor), and a Qwen3-MoE's expert width and routing
+    (expert_feed_forward_length; top-k weights renormalised, as llama.cpp computes them, where HF's
+    default does not)."""
+    if getattr(config, "model_type", None) == "qwen3_moe":
+        ours = hf_config(reader)
+        config.moe_intermediate_size = ours["moe_intermediate_size"]
+        config.norm_topk_prob = ours["norm_topk_prob"]
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scaling = rope_scaling(reader, head_dim, theta)
+    if scaling is not None:
+        config.rope_parameters = {"rope_theta": theta, **scaling}
