@@ -26,7 +26,7 @@ class Env:
 
     @property
     def cpu_kernels(self) -> bool:
-        """Build and use the C kernels of kernel/cpu.py on CPUs (MINISGL_CPU_KERNELS=0 keeps torch ops)."""
+        """Build and use the C kernels of kernel/cpu/ on CPUs (MINISGL_CPU_KERNELS=0 keeps torch ops)."""
         return _flag("MINISGL_CPU_KERNELS", default=True)
 
     @property

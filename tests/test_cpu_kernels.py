@@ -316,9 +316,7 @@ def test_stored_experts_in_one_call_equal_the_reference_loop(tokens, dot):
     ids = torch.randint(0, E - 2, (tokens, k), generator=g, dtype=torch.int32)  # experts 4, 5: none
     ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, E - 3, (tokens,), generator=g)) % (E - 2)  # distinct
     weights = torch.rand(tokens, k, generator=g)
-    desc = torch.tensor(
-        [[v for p in (*w13[e].parts, *w2[e].parts) for v in (p.ggml_type, p.data.data_ptr(), p.data.stride(0))]
-         for e in range(E)], dtype=torch.int64)  # fmt: skip
+    desc = cpu_kernels.stored_experts([(*w13[e].parts, *w2[e].parts) for e in range(E)])
     got = cpu_kernels.moe_stored(x, ids, weights, desc, inter, int8=dot == "int8")
     want = ref.fused_moe(x, w13, w2, weights, ids, linear=kernel.linear)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)

@@ -1,4 +1,4 @@
-"""The CPU backend: the torch backend, with decode through the C kernel of kernel/cpu.py, which reads
+"""The CPU backend: the torch backend, with decode through the C kernel of kernel/cpu/, which reads
 each request's K/V rows through the page table where they lie instead of gathering them into a padded
 copy first (docs/BENCHMARKS.md has the time per layer). The KV pool is float32 (`kv_cache_dtype`); a
 bf16/fp16 model stores its K/V there exactly and attends with its query upcast, the output rounded to the

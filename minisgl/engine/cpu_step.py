@@ -1,5 +1,5 @@
 """The CPU decode step: every layer of a Llama-family model (Llama, SmolLM2, Mistral, Qwen2, Qwen3, and
-Qwen3-MoE/Mixtral with GGUF experts as stored) in one call into the C kernels (kernel/cpu.py
+Qwen3-MoE/Mixtral with GGUF experts as stored) in one call into the C kernels (kernel/cpu
 `decode_step`), the CPU's counterpart of a decode graph.
 
 The layers' Python issues about a dozen kernel calls per layer, each a few microseconds of dispatch: on a
@@ -22,6 +22,8 @@ from minisgl.attention.cpu_backend import CpuAttnBackend
 from minisgl.gguf.blocks import TYPE_IDS
 from minisgl.gguf.stored import StoredWeight
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel.cpu import layout
+from minisgl.kernel.cpu.layout import Descriptor
 from minisgl.models.llama import CPU_DECODE_STEP, LlamaAttention, LlamaMLP, declares
 from minisgl.moe import SparseMoeBlock
 from minisgl.utils import init_logger
@@ -32,31 +34,30 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-_MAX_PARTS = 3  # parts a linear layer's descriptor holds (LIN_WORDS in cpu_kernels.c: 2 + 5 per part)
-_LIN_WORDS = 2 + 5 * _MAX_PARTS
-
 
 class Unsupported(Exception):
     """Why the step does not cover this model or setting (the layers run instead)."""
 
 
-def _linear_words(module: torch.nn.Module, keep: list) -> list[int]:
+def _linear_desc(module: torch.nn.Module, keep: list) -> Descriptor:
     """A linear layer's descriptor: its weight's parts (packed float32 panels or stored rows), its bias."""
     w, bias = module.weight, module.bias
+    d = Descriptor(layout.LINEAR)
     if bias is not None:
         if bias.dtype != torch.float32:
             raise Unsupported("a bias not in float32")
         bias = bias.detach().contiguous()
         keep.append(bias)
-    parts: list[int] = []
+        d["bias"] = bias.data_ptr()
+    parts: list[Descriptor] = []
     if isinstance(w, StoredWeight):
-        if len(w.parts) > _MAX_PARTS:
-            raise Unsupported(f"a weight in {len(w.parts)} parts")
         for p in w.parts:
             if not cpu_kernels.stored_type_supported(p.ggml_type) or p.data.stride(1) != 1:
                 raise Unsupported(f"GGML type {p.ggml_type}")
             keep.append(p.data)
-            parts += [1, p.ggml_type, p.data.data_ptr(), p.data.stride(0), p.n]
+            part = Descriptor(layout.PART, kind=layout.PART_STORED, type=p.ggml_type, rows=p.n)
+            part["data"], part["row_bytes"] = p.data.data_ptr(), p.data.stride(0)
+            parts.append(part)
     else:
         if w.dtype != torch.float32:
             raise Unsupported(f"{w.dtype} weights")
@@ -64,10 +65,16 @@ def _linear_words(module: torch.nn.Module, keep: list) -> list[int]:
         if packed is None:
             raise Unsupported("no packed float32 linear in this build")
         keep.append(packed)
-        parts += [0, 0, packed.data_ptr(), 0, w.shape[0]]
-    nparts = len(parts) // 5
-    parts += [0] * (5 * (_MAX_PARTS - nparts))
-    return [nparts, bias.data_ptr() if bias is not None else 0, *parts]
+        packed_part = Descriptor(layout.PART, kind=layout.PART_PACKED, rows=w.shape[0])
+        packed_part["data"] = packed.data_ptr()
+        parts.append(packed_part)
+    room = layout.LINEAR.count("part")
+    if len(parts) > room:
+        raise Unsupported(f"a weight in {len(parts)} parts (the descriptor holds {room})")
+    d["parts"] = len(parts)
+    for i, part in enumerate(parts):
+        d["part", i] = part
+    return d
 
 
 def _norm_ptr(norm: torch.nn.Module | None, keep: list) -> int:
@@ -80,21 +87,19 @@ def _norm_ptr(norm: torch.nn.Module | None, keep: list) -> int:
     return w.data_ptr()
 
 
-def _moe_words(mlp: torch.nn.Module, keep: list) -> list[int]:
-    """A sparse layer's MOE_WORDS: its router (a linear), experts, top k, renormalize, the experts' C
-    descriptor (GGUF experts as stored only) and their intermediate size; zeros for a dense layer."""
-    if not isinstance(mlp, SparseMoeBlock):
-        return [0] * (_LIN_WORDS + 5)
+def _sparse_fields(d: Descriptor, mlp: SparseMoeBlock, keep: list) -> None:
+    """A sparse layer's fields of its descriptor: router, experts, top k, renormalize, the experts' C
+    descriptors (GGUF experts as stored only) and their intermediate size."""
     experts = mlp.experts
     if experts.stored_desc is None:
         raise Unsupported("experts not stored as GGUF blocks")
     keep.append(experts.stored_desc)
-    router = _linear_words(SimpleNamespace(weight=mlp.gate.weight, bias=None), keep)
-    desc = experts.stored_desc.data_ptr()
-    return [*router, experts.num_experts, mlp.top_k, int(mlp.renormalize), desc, experts.shard]
+    d["router"] = _linear_desc(SimpleNamespace(weight=mlp.gate.weight, bias=None), keep)
+    d["experts"], d["top_k"], d["renormalize"] = experts.num_experts, mlp.top_k, int(mlp.renormalize)
+    d["expert_desc"], d["expert_inter"] = experts.stored_desc.data_ptr(), experts.shard
 
 
-def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ...], keep: list) -> list[int]:
+def _layer_desc(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ...], keep: list) -> Descriptor:
     sparse = isinstance(layer.mlp, SparseMoeBlock)
     if not declares(layer, CPU_DECODE_STEP):
         raise Unsupported(f"{type(layer).__name__} does not declare the C decode step")
@@ -104,17 +109,35 @@ def _layer_words(layer: torch.nn.Module, kv_pool: KVPool, windows: tuple[int, ..
     if attn.o_proj.tp_size != 1:
         raise Unsupported("tensor parallelism")
     lid = attn.attn.layer_id
-    k_cache, v_cache = kv_pool.k(lid), kv_pool.v(lid)
-    words = [_norm_ptr(layer.input_layernorm, keep), _norm_ptr(layer.post_attention_layernorm, keep)]
-    words += [_norm_ptr(attn.q_norm, keep), _norm_ptr(attn.k_norm, keep)]
-    words += [k_cache.data_ptr(), v_cache.data_ptr()]
-    for proj in (attn.qkv_proj, attn.o_proj):
-        words += _linear_words(proj, keep)
+    d = Descriptor(layout.LAYER, k_cache=kv_pool.k(lid).data_ptr(), v_cache=kv_pool.v(lid).data_ptr())
+    d["input_norm"] = _norm_ptr(layer.input_layernorm, keep)
+    d["post_norm"] = _norm_ptr(layer.post_attention_layernorm, keep)
+    d["q_norm"], d["k_norm"] = _norm_ptr(attn.q_norm, keep), _norm_ptr(attn.k_norm, keep)
+    d["qkv"], d["o"] = _linear_desc(attn.qkv_proj, keep), _linear_desc(attn.o_proj, keep)
+    d["window"] = windows[lid] if windows else 0
     if sparse:
-        words += [0] * (2 * _LIN_WORDS)
+        _sparse_fields(d, layer.mlp, keep)
     else:
-        words += _linear_words(layer.mlp.gate_up_proj, keep) + _linear_words(layer.mlp.down_proj, keep)
-    return [*words, windows[lid] if windows else 0, *_moe_words(layer.mlp, keep)]
+        d["gate_up"] = _linear_desc(layer.mlp.gate_up_proj, keep)
+        d["down"] = _linear_desc(layer.mlp.down_proj, keep)
+    return d
+
+
+def _embed_fields(d: Descriptor, embed_tokens: torch.nn.Module, keep: list) -> None:
+    """The model descriptor's embedding: GGUF rows as stored, or float32 rows."""
+    embed = embed_tokens.weight
+    if isinstance(embed, StoredWeight):
+        if len(embed.parts) != 1 or not cpu_kernels.stored_type_supported(embed.parts[0].ggml_type):
+            raise Unsupported("an embedding in several parts")
+        p = embed.parts[0]
+        d["embed_kind"], d["embed_type"] = layout.EMBED_STORED, p.ggml_type
+        d["embed_data"], d["embed_row_bytes"] = p.data.data_ptr(), p.data.stride(0)
+        keep.append(p.data)
+    else:
+        if embed.dtype != torch.float32 or embed_tokens.tp_size != 1:
+            raise Unsupported("the embedding's dtype or sharding")
+        d["embed_kind"] = layout.EMBED_F32
+        d["embed_data"], d["embed_row_bytes"] = embed.data_ptr(), embed.stride(0) * 4
 
 
 class CpuDecodeStep:
@@ -130,7 +153,7 @@ class CpuDecodeStep:
     ) -> None:
         cfg, inner = model.config, model.model
         self._keep: list = []  # every tensor whose address the descriptors hold
-        layers = [_layer_words(layer, kv_pool, windows, self._keep) for layer in inner.layers]
+        layers = [_layer_desc(layer, kv_pool, windows, self._keep) for layer in inner.layers]
         attn0 = inner.layers[0].self_attn
         norm_eps = {m.eps for layer in inner.layers for m in layer.modules() if hasattr(m, "eps")}
         norm_eps.add(inner.norm.eps)
@@ -138,17 +161,6 @@ class CpuDecodeStep:
             raise Unsupported("norms with different eps")
         self.eps, self.scale = norm_eps.pop(), attn0.attn.scale
         cos_sin = attn0.rotary.cos_sin_cache  # every layer's table is the same (one config)
-        embed = inner.embed_tokens.weight
-        if isinstance(embed, StoredWeight):
-            if len(embed.parts) != 1 or not cpu_kernels.stored_type_supported(embed.parts[0].ggml_type):
-                raise Unsupported("an embedding in several parts")
-            p = embed.parts[0]
-            emb = [1, p.ggml_type, p.data.data_ptr(), p.data.stride(0)]
-            self._keep.append(p.data)
-        else:
-            if embed.dtype != torch.float32 or inner.embed_tokens.tp_size != 1:
-                raise Unsupported("the embedding's dtype or sharding")
-            emb = [2, 0, embed.data_ptr(), embed.stride(0) * 4]
         self._keep += [cos_sin, page_table]
         self.hidden = cfg.hidden_size
         self.qkv = (attn0.num_heads + 2 * attn0.num_kv_heads) * cfg.head_dim
@@ -165,14 +177,18 @@ class CpuDecodeStep:
             max((m.top_k for m in sparse), default=0),
             max((m.experts.num_experts + 1 for m in sparse), default=0),
         ]  # fmt: skip
-        dims = [len(layers), cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, cfg.head_dim, self.inter]
-        model_words = [*dims, cos_sin.shape[1], cos_sin.data_ptr(), _norm_ptr(inner.norm, self._keep)]
-        model_words += [page_table.data_ptr(), page_table.stride(0), *emb, int(int8), 0, 0]
+        d = Descriptor(layout.MODEL, layers=len(layers), hidden=cfg.hidden_size, head_dim=cfg.head_dim)
+        d["q_heads"], d["kv_heads"], d["inter"] = attn0.num_heads, attn0.num_kv_heads, self.inter
+        d["rot"], d["cos_sin"] = cos_sin.shape[1], cos_sin.data_ptr()
+        d["final_norm"] = _norm_ptr(inner.norm, self._keep)
+        d["page_table"], d["page_table_stride"] = page_table.data_ptr(), page_table.stride(0)
+        _embed_fields(d, inner.embed_tokens, self._keep)
+        d["int8"] = int(int8)  # the sparse layers' scratch (moe_floats, moe_ints): set by run()
         # int8: room a row for the widest linear input quantized (groups of up to four blocks of 32)
         widest = max(self.hidden, self.q, self.inter)
         self._q8_row = cpu_kernels.q8_row_floats(widest) if int8 else 0
-        self.model_desc = torch.tensor(model_words, dtype=torch.int64)
-        self.layers_desc = torch.tensor(layers, dtype=torch.int64).reshape(-1)
+        self.model_desc = d.tensor()
+        self.layers_desc = layout.stack(layers).reshape(-1)
         self._scratch = torch.empty(0)
         self._moe_scratch = (torch.empty(0), torch.empty(0, dtype=torch.int64))
 
@@ -205,7 +221,8 @@ class CpuDecodeStep:
         floats, k, ints = self._moe
         if floats and self._moe_scratch[0].numel() < B * floats:
             self._moe_scratch = (torch.empty(B * floats), torch.empty(B * k + ints, dtype=torch.int64))
-            self.model_desc[16], self.model_desc[17] = (t.data_ptr() for t in self._moe_scratch)
+            self.model_desc[layout.MODEL["moe_floats"]] = self._moe_scratch[0].data_ptr()
+            self.model_desc[layout.MODEL["moe_ints"]] = self._moe_scratch[1].data_ptr()
         i64 = torch.int64
         tokens = (
             batch.input_ids.to(i64).contiguous(),

@@ -1,6 +1,6 @@
 """GGML's block types (the ones weights are kept in as stored: llama.cpp's quantized blocks, F16, BF16, F32)
 and their reference dequantization: torch with the same arithmetic as gguf.quants (every scale x quant
-product exact in float32, tested against it). The C kernels of kernel/cpu.py must equal it."""
+product exact in float32, tested against it). The C kernels of kernel/cpu/ must equal it."""
 
 from __future__ import annotations
 

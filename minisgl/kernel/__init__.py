@@ -106,7 +106,7 @@ def _on_gpu(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b). On a CPU in float32 the weight is packed once (kept on the tensor, redone if it
-    is written to) for the C kernel of kernel/cpu.py, or where that is not built, for oneDNN; both beat
+    is written to) for the C kernel of kernel/cpu/, or where that is not built, for oneDNN; both beat
     MKL's GEMM at decode's row counts (the wide LM head most of all; docs/BENCHMARKS.md). On a
     CPU in bf16/fp16 the same C kernel runs on the exactly upcast inputs and rounds the result once.
     x may be a SplitAttention (decode attention not merged yet); weight may be a StoredWeight (GGUF blocks

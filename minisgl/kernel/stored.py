@@ -1,5 +1,5 @@
 """The stored-weight kernels: y = x W^T and embedding rows for a gguf.stored.StoredWeight, by the C kernels
-of kernel/cpu.py (each block dequantized in registers with the reference arithmetic of gguf/blocks.py);
+of kernel/cpu/ (each block dequantized in registers with the reference arithmetic of gguf/blocks.py);
 the reference (dequantize, then the float op) where the kernels are not built or do not read a type."""
 
 from __future__ import annotations

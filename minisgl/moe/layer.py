@@ -77,7 +77,7 @@ class Experts(nn.Module):
         # GGUF experts read as stored (one rank, a CPU): per expert a StoredWeight of gate | up and of down
         # in place of w13 / w2, which are then never allocated
         self.stored: tuple[list, list] | None = None
-        self.stored_desc: torch.Tensor | None = None  # int64 [E, 9] where the C kernel reads every part
+        self.stored_desc: torch.Tensor | None = None  # the experts' C descriptors, where it reads every part
 
     def keep_stored(self, w13: list, w2: list) -> None:
         """Serve every expert from its blocks as stored: w13[e] (gate | up) and w2[e] are StoredWeights."""
@@ -85,13 +85,10 @@ class Experts(nn.Module):
             raise ValueError("stored GGUF experts run on one rank; --weights-format float32 shards them")
         del self.w13, self.w2  # the float Parameters, never touched, so never resident
         self.stored = (w13, w2)
-        # the C kernel's view (kernel/cpu.py moe_stored): per expert (type, data, row bytes) of gate, up, down
+        # the C kernel's view (kernel/cpu moe_stored): per expert the parts of gate, up, down
         parts = [[*w13[e].parts, *w2[e].parts] for e in range(self.num_experts)]
         if all(len(p) == 3 and cpu.stored_type_supported(q.ggml_type) for p in parts for q in p):
-            words = [
-                [v for q in p for v in (q.ggml_type, q.data.data_ptr(), q.data.stride(0))] for p in parts
-            ]
-            self.stored_desc = torch.tensor(words, dtype=torch.int64)
+            self.stored_desc = cpu.stored_experts([tuple(p) for p in parts])
         self.loaded |= {
             (e, n, p) for e in range(self.num_experts) for n, p in (("w13", 0), ("w13", 1), ("w2", 0))
         }

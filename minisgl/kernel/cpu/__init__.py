@@ -1,82 +1,21 @@
-"""CPU kernels in C (cpu_kernels.c), compiled once per machine with the system compiler and loaded with
-ctypes; each has a torch reference it is tested against, and callers fall back to that reference when no
-compiler is found (`available()` is False) or MINISGL_CPU_KERNELS=0.
-
-The library links OpenMP dynamically: loaded into a process where torch already holds libgomp.so.1, it
-shares torch's runtime and thread pool instead of starting a second one that would fight it for cores."""
+"""CPU kernels in C (the C files of this folder, one concern each: attention.c, gemm.c, stored_gemm.c, ...),
+compiled once per machine with the system compiler (build.py) and loaded with ctypes; each has a torch
+reference it is tested against, and callers fall back to that reference when no compiler is found
+(`available()` is False) or MINISGL_CPU_KERNELS=0. The descriptors the decode step and the MoE kernel read are
+laid out in layout.py, the one definition both sides use."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
 from minisgl.env import ENV
-from minisgl.utils import init_logger
-from minisgl.utils.logger import logged_step
+from minisgl.kernel.cpu import build, layout
+from minisgl.kernel.cpu.layout import Descriptor
 
-logger = init_logger(__name__)
-
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")
-# Reassociation lets the compiler vectorise the dot products; no -ffast-math (it would assume no infinities).
-_FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fPIC",
-    "-shared",
-    "-fopenmp",
-    "-ffp-contract=fast",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-]
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: a library built on another CPU is not reused."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(extra_flags: tuple[str, ...] = ()) -> str | None:
-    """The library's path, compiled first where this source, compiler and CPU have none yet; extra_flags
-    (after the defaults, e.g. an older -march) build a variant for the tests."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("No C compiler found: CPU kernels fall back to torch ops (slower decode attention)")
-        return None
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    flags = [*_FLAGS, *extra_flags]
-    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-    out_dir = os.path.join(ENV.cache_dir, "kernels")
-    path = os.path.join(out_dir, f"cpu_kernels-{key}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    what = f"Compiling CPU kernels ({os.path.basename(compiler)}, once per machine)"
-    with logged_step(logger, what, f"into {path}"):
-        result = subprocess.run(
-            [compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False
-        )
-    if result.returncode != 0:
-        os.unlink(tmp)
-        logger.warning("Compiling CPU kernels failed; falling back to torch ops:\n%s", result.stderr[-2000:])
-        return None
-    os.replace(tmp, path)  # atomic: processes building at once each see a whole library
-    return path
 
 
 def _load() -> ctypes.CDLL | None:
@@ -86,18 +25,18 @@ def _load() -> ctypes.CDLL | None:
     _tried = True
     if not ENV.cpu_kernels:
         return None
-    path = _build()
+    path = build.build()
     if path is None:
         return None
-    _lib = _bind(ctypes.CDLL(path))
+    _lib = _bind(build.load(path))
     return _lib
 
 
 def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The library built with extra compiler flags (an older -march: the tests of the fallback paths), or
     None without a compiler."""
-    path = _build(extra_flags)
-    return None if path is None else _bind(ctypes.CDLL(path))
+    path = build.build(extra_flags)
+    return None if path is None else _bind(build.load(path))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -150,15 +89,13 @@ def linear_available() -> bool:
     return lib is not None and hasattr(lib, "linear_packed_f32")
 
 
-_PANEL = 16  # NR in cpu_kernels.c
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 -> the panel layout linear() reads (N rounded up to 16 rows, zero-filled)."""
+    """W [N, K] float32 -> the panel layout linear() reads (N rounded up to PANEL_ROWS, zero-filled)."""
     lib = _load()
     N, K = weight.shape
     w = weight.detach().contiguous()
-    packed = torch.empty((N + _PANEL - 1) // _PANEL * _PANEL * K, dtype=torch.float32)
+    panel = layout.PANEL_ROWS
+    packed = torch.empty((N + panel - 1) // panel * panel * K, dtype=torch.float32)
     lib.pack_weight_f32(w.data_ptr(), packed.data_ptr(), N, K, torch.get_num_threads())
     return packed
 
@@ -301,12 +238,10 @@ def stored_type_supported(ggml_type: int) -> bool:
     return lib is not None and bool(lib.stored_type_supported(ggml_type))
 
 
-XGROUP_FLOATS = 84  # a group of quantized activations (cpu_kernels.c's xgroup) covers 128 values in 84 floats
-
-
 def q8_row_floats(k: int) -> int:
-    """Room for one row of k activations quantized for the int8 dot, in floats."""
-    return (k + 127) // 128 * XGROUP_FLOATS
+    """Room for one row of k activations quantized for the int8 dot, in floats: whole groups of up to four
+    blocks of 32 (q8.h's xgroup), Q8_BLOCK_BYTES a block."""
+    return (k + 127) // 128 * layout.Q8_BLOCK_BYTES
 
 
 def moe_stored(
@@ -317,13 +252,14 @@ def moe_stored(
     inter: int,
     int8: bool = False,
 ) -> torch.Tensor:
-    """A sparse layer's experts as stored, in one call (cpu_kernels.c's moe_stored_f32): x [T, H] float32,
-    ids int32 [T, k] (-1: none), weights float32 [T, k], experts int64 [E, 9]: per expert (type, data
-    address, row bytes) of its gate [inter, H], up and down [H, inter] rows. Returns [T, H] float32:
+    """A sparse layer's experts as stored, in one call (moe.c's moe_stored_f32): x [T, H] float32, ids int32
+    [T, k] (-1: none), weights float32 [T, k], experts the E experts' descriptors (stored_experts): their
+    gate [inter, H], up and down [H, inter] rows. Returns [T, H] float32:
     the routing-weighted sum of each token's experts, added in expert order. int8: the types the int8 dot
     reads multiply by it (llama.cpp's arithmetic, as --stored-dot int8), the rest exactly."""
     T, H = x.shape
     k, E = ids.shape[1], experts.shape[0]
+    assert experts.shape[1] == layout.EXPERT.words and experts.dtype == torch.int64
     x, ids, weights = x.contiguous(), ids.to(torch.int32).contiguous(), weights.float().contiguous()
     out = torch.empty(T, H, dtype=torch.float32)
     scratch = torch.empty(T * k * (2 * H + 3 * inter), dtype=torch.float32)
@@ -335,6 +271,17 @@ def moe_stored(
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def stored_experts(experts: list[tuple]) -> torch.Tensor:
+    """The descriptors moe_stored reads, int64 [E, EXPERT words]: per expert its (gate, up, down) StoredParts
+    (kernel/stored.py)."""
+
+    def stored(p) -> Descriptor:
+        return Descriptor(layout.STORED, type=p.ggml_type, data=p.data.data_ptr(), row_bytes=p.data.stride(0))
+
+    descs = [Descriptor(layout.EXPERT, gate=stored(g), up=stored(u), down=stored(d)) for g, u, d in experts]
+    return layout.stack(descs)
 
 
 def int8_dot_supported(ggml_type: int) -> bool:
@@ -421,7 +368,7 @@ def decode_step(
     eps: float,
     scale: float,
 ) -> None:
-    """Every layer of a decode step in one call (cpu_kernels.c's decode_step_f32): `model` and `layers`
+    """Every layer of a decode step in one call (decode_step.c's decode_step_f32): `model` and `layers`
     are its int64 descriptors, `tokens` = (ids, positions, KV slots, page-table rows, key counts), each
     int64 [B]; out [B, hidden] gets the final norm's output."""
     ids, pos, loc, rows, lens = tokens
