@@ -9,6 +9,8 @@ from minisgl.grammar import DEFAULT_CACHE_MB, DEFAULT_COMPILE_TIMEOUT
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.utils.options import OptionError, option
 
+from .proposers import PROPOSERS
+
 MAX_SPECULATIVE_TOKENS = 16  # rows a verify step gives one request beyond its own
 
 
@@ -45,8 +47,15 @@ class SchedulerConfig(EngineConfig):
     speculative: str | None = option(
         None,
         help="speculative decoding: ngram proposes the tokens that followed the latest n-gram earlier in "
-        "the prompt or output; the model verifies them in one step (greedy and sampled output unchanged)",
-        choices=["ngram"],
+        "the prompt or output, draft the greedy tokens of a small model (--speculative-draft-model); the "
+        "model verifies them in one step (greedy and sampled output unchanged)",
+        choices=PROPOSERS.names(),
+    )
+    speculative_draft_model: str | None = option(
+        None,
+        help="the draft model of --speculative draft: a Hugging Face directory or hub id with the "
+        "model's tokenizer (vocabulary), run on the same device with its own KV pool",
+        metavar="PATH",
     )
     num_speculative_tokens: int = option(
         4, help="most tokens proposed for one request a step, at most 16 (adapts per request below it)", min=1
@@ -74,3 +83,9 @@ class SchedulerConfig(EngineConfig):
                 f"must be <= --speculative-ngram-max {self.speculative_ngram_max}, "
                 f"got {self.speculative_ngram_min}",
             )
+        if (self.speculative == "draft") != (self.speculative_draft_model is not None):
+            raise OptionError(
+                "speculative_draft_model", "is given exactly when --speculative is draft (the draft's path)"
+            )
+        if self.speculative == "draft" and self.tp_size > 1:
+            raise OptionError("speculative", "draft runs with one rank (--tp-size 1)")

@@ -257,6 +257,8 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Give back a request's pages (its computed KV to the prefix cache) and its slot."""
         self.cache.release(req)
+        if self.proposer is not None:
+            self.proposer.release(req)  # a draft model's pages
         if req.table_idx >= 0:
             self.table.free(req.table_idx)
             req.table_idx, req.table_len = -1, 0
@@ -310,6 +312,8 @@ class Scheduler:
         problem = self.cache.check_integrity(full)
         if problem is None and self.table.num_free != self.table.capacity:
             problem = f"{self.table.capacity - self.table.num_free} request slots still taken"
+        if problem is None and self.proposer is not None:
+            problem = self.proposer.check_idle()
         if problem is not None:
             logger.error(f"KV INTEGRITY CHECK FAILED: {problem}")
             raise AssertionError(problem)
@@ -317,4 +321,6 @@ class Scheduler:
     def shutdown(self) -> None:
         self._in_flight = None
         self.grammar.shutdown()
+        if self.proposer is not None:
+            self.proposer.shutdown()
         self.engine.shutdown()

@@ -13,7 +13,8 @@ scheme of speculative sampling: it is kept with probability p(d), and when it is
 distributed as p without d, renormalised. So every token is distributed as without speculation, and a
 seeded request gives the very same tokens with speculation as without.
 
-A new proposer (a draft model, an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`.
+A new proposer (an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`
+(scheduler/proposers.py); the draft model's is scheduler/draft.py.
 Each request's k adapts to how often its proposals were accepted (`SpecState`): a request whose proposals
 keep failing stops proposing for a while, so it costs nothing more than a decode step. With one rank, k
 is the one that maximises the step's expected tokens per second, from the requests' acceptance and the
@@ -29,6 +30,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from minisgl.core import Req
+    from minisgl.engine import Engine
+
+    from .config import SchedulerConfig
 
 # adaptive k: acceptance is an exponential average over verify steps; below POOR the request rests for
 # REST steps (proposes nothing), then tries again from TRY_AGAIN
@@ -132,11 +136,34 @@ class StepCosts:
 
 
 class Proposer(ABC):
-    """Proposes the tokens that may follow each request's known tokens (prompt and output so far)."""
+    """Proposes the tokens that may follow each request's known tokens (prompt and output so far).
+
+    The scheduler builds one from its config (`create`), asks it for proposals before each verify step
+    (`propose`), tells it how many of a request's proposals the target kept (`on_accept`), and lets it
+    drop a request's state when the request finishes, is aborted or is retracted (`release`)."""
+
+    @classmethod
+    def create(cls, config: SchedulerConfig, target: Engine) -> Proposer:
+        """The proposer the options ask for, next to the target model's engine."""
+        return cls()
 
     @abstractmethod
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         """At most ks[i] tokens for reqs[i] (fewer, or none, where it has no guess)."""
+
+    def on_accept(self, req: Req, accepted: int) -> None:
+        """The target kept the first `accepted` proposals of req's last verify step (a head that reads
+        the target's hidden states keeps those of the accepted tokens here)."""
+
+    def release(self, req: Req) -> None:
+        """req holds nothing here any more (finished, aborted or retracted)."""
+
+    def check_idle(self) -> str | None:
+        """With no request left: what the proposer still holds that it should not, or None."""
+        return None
+
+    def shutdown(self) -> None:
+        """Give back what the proposer holds (a draft model's engine)."""
 
 
 class NgramProposer(Proposer):
@@ -147,6 +174,10 @@ class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int) -> None:
         assert 1 <= min_n <= max_n
         self.min_n, self.max_n = min_n, max_n
+
+    @classmethod
+    def create(cls, config: SchedulerConfig, target: Engine) -> Proposer:
+        return cls(config.speculative_ngram_min, config.speculative_ngram_max)
 
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         return [self._one(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
@@ -172,12 +203,3 @@ class NgramProposer(Proposer):
                 out.append(toks[j] if j < n_tok else out[j - n_tok])
             return out
         return []
-
-
-PROPOSERS = {"ngram": NgramProposer}
-
-
-def create_proposer(name: str, min_n: int, max_n: int) -> Proposer:
-    if name not in PROPOSERS:
-        raise ValueError(f"unknown speculative method {name!r}; there are: {', '.join(PROPOSERS)}")
-    return PROPOSERS[name](min_n, max_n)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from minisgl.core import Batch, Phase, Req
 
 from .prefill import pages_for
-from .speculative import SpecState, StepCosts, create_proposer
+from .proposers import create_proposer
+from .speculative import SpecState, StepCosts
 
 if TYPE_CHECKING:
     from minisgl.engine import Engine
@@ -38,13 +39,11 @@ class Verifier:
         self.grammar = grammar  # a constrained request's proposals are cut where its grammar rejects them
         self.page_size = config.page_size
         self.emit = emit  # gives a request one of the step's tokens (OutputProcessor.emit)
-        self.proposer = None  # speculative decoding (scheduler/speculative.py), None when off
         if config.speculative is not None:
-            self.proposer = create_proposer(
-                config.speculative, config.speculative_ngram_min, config.speculative_ngram_max
-            )
             # a verify step has up to k + 1 rows for each of at most speculative_max_batch requests
             engine.capture_verify_graphs(config.speculative_max_batch * (config.num_speculative_tokens + 1))
+        # speculative decoding (scheduler/speculative.py, proposers.py), None when off
+        self.proposer = create_proposer(config, engine)
         self.spec_proposed = self.spec_accepted = self.spec_steps = 0
         self.step_costs = StepCosts()  # a lone request's steps by rows: what its k is chosen from
 
@@ -156,6 +155,7 @@ class Verifier:
             self.spec_proposed += end - start
             self.spec_accepted += accepted
             req.spec.update(end - start, accepted)
+            self.proposer.on_accept(req, accepted)
             if not req.finished:
                 keep = pages_for(req.cached_len, self.page_size)
                 self.cache.free(req.pages[keep:])
