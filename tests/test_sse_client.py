@@ -1,6 +1,6 @@
 """The online benchmark's lean streaming client against a real socket server that answers with hand-written
 HTTP/1.1 responses: chunked (events split across chunks), Content-Length and close-delimited bodies, an
-error status, and a kept-alive connection used for the next request."""
+error status, a kept-alive connection used for the next request, and one the server closed while idle."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ RESPONSES = {
     "/chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(BODY, [3, 7, 1, 20]),
     "/length": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY,
     "/close": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + BODY,
+    # kept alive as far as the client knows, then closed by the server while idle
+    "/silent": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY,
     "/error": b'HTTP/1.1 400 Bad Request\r\nContent-Length: 17\r\n\r\n{"error": "nope"}',
 }
 
@@ -50,7 +52,7 @@ async def _serve() -> tuple[asyncio.Server, int, list[dict]]:
             seen.append({"conn": conn, "path": path, "body": body})
             writer.write(RESPONSES[path.removeprefix("/v1")])
             await writer.drain()
-            if path.endswith("/close"):
+            if path.endswith(("/close", "/silent")):
                 break
         writer.close()
 
@@ -71,6 +73,9 @@ def test_the_client_reads_every_framing_and_reuses_kept_alive_connections():
         assert await _collect(client, "/chunked") == EVENTS
         assert await _collect(client, "/close") == EVENTS
         assert await _collect(client, "/chunked") == EVENTS
+        assert await _collect(client, "/silent") == EVENTS
+        await asyncio.sleep(0.1)  # the server has closed the idle connection by now
+        assert await _collect(client, "/length") == EVENTS  # sent again on a fresh connection
         with pytest.raises(HTTPError) as e:
             await _collect(client, "/error")
         await client.aclose()
@@ -78,24 +83,12 @@ def test_the_client_reads_every_framing_and_reuses_kept_alive_connections():
         return seen, e.value
 
     seen, err = asyncio.run(main())
-    assert [s["path"] for s in seen] == [
-        "/v1/chunked",
-        "/v1/length",
-        "/v1/chunked",
-        "/v1/close",
-        "/v1/chunked",
-        "/v1/error",
-    ]
-    assert [s["body"]["q"] for s in seen] == [
-        "/chunked",
-        "/length",
-        "/chunked",
-        "/close",
-        "/chunked",
-        "/error",
-    ]
-    # the first four on one kept-alive connection; the server closed it after /close, so a new one
-    assert [s["conn"] for s in seen] == [1, 1, 1, 1, 2, 2]
+    paths = ["/chunked", "/length", "/chunked", "/close", "/chunked", "/silent", "/length", "/error"]
+    assert [s["path"] for s in seen] == ["/v1" + p for p in paths]
+    assert [s["body"]["q"] for s in seen] == paths
+    # the first four on one kept-alive connection; the server closed it after /close, so a new one, and
+    # after /silent (the client learns it only when it sends the next request there) a third
+    assert [s["conn"] for s in seen] == [1, 1, 1, 1, 2, 2, 3, 3]
     assert err.status == 400 and "nope" in str(err)
 
 

@@ -82,11 +82,9 @@ class SSEClient:
         other than 200. The connection goes back to the pool when the reply ends cleanly."""
         data = json.dumps(body).encode()
         req = f"POST {self.prefix}{path} HTTP/1.1\r\n{self.head}Content-Length: {len(data)}\r\n\r\n"
-        conn = await self._connect()
+        conn, status, headers = await self._send(req.encode() + data)
         reusable = False
         try:
-            conn.writer.write(req.encode() + data)
-            status, headers = await self._head(conn)
             chunked = headers.get("transfer-encoding", "").lower() == "chunked"
             length = int(headers["content-length"]) if "content-length" in headers else None
             if status != 200:
@@ -107,6 +105,21 @@ class SSEClient:
                 self.idle.append(conn)
             else:
                 conn.close()
+
+    async def _send(self, request: bytes) -> tuple[_Conn, int, dict[str, str]]:
+        """Send on a kept-alive connection, or on a new one if the server had closed it meanwhile (a server
+        may close an idle connection at any time: the request is sent again once, on a fresh one)."""
+        while True:
+            reused = bool(self.idle)
+            conn = await self._connect()
+            try:
+                conn.writer.write(request)
+                status, headers = await self._head(conn)
+                return conn, status, headers
+            except (ConnectionError, asyncio.IncompleteReadError):
+                conn.close()
+                if not reused:
+                    raise
 
     async def _head(self, conn: _Conn) -> tuple[int, dict[str, str]]:
         status_line = await conn.line(self.timeout)

@@ -25,7 +25,7 @@ class SchedulerConfig(EngineConfig):
     cache_type: str = option("radix", help="prefix cache", choices=PREFIX_CACHES.names(), aliases=["cache"])
     overlap: bool | None = option(
         None,
-        help="overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP_SCHEDULING=1)",
+        help="overlap scheduling (default: on with a GPU unless MINISGL_DISABLE_OVERLAP_SCHEDULING=1, off on a CPU)",
         choices=["on", "off"],
         parse=_on_off,
     )

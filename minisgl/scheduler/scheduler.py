@@ -56,7 +56,10 @@ class Scheduler:
         self.max_seq_len = self.engine.max_seq_len
         self.vocab_size = self.engine.model_config.vocab_size
         self.eos_token_ids = set(self.engine.model_config.eos_token_ids) | set(config.extra_eos_token_ids)
-        self.overlap = (not ENV.disable_overlap_scheduling) if config.overlap is None else config.overlap
+        # by default on a GPU only: a CPU step runs in this thread, so overlap would only hold each step's
+        # tokens back until the next step has run
+        default = not ENV.disable_overlap_scheduling and self.device.type != "cpu"
+        self.overlap = default if config.overlap is None else config.overlap
         # the managers, each owning one resource
         self.table = TableManager(config.max_running_req)
         self.cache = CacheManager(self.engine.num_pages, self.page_size, config.cache_type)
