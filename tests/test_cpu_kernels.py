@@ -326,3 +326,43 @@ def test_stored_experts_in_one_call_equal_the_reference_loop(tokens, dot):
         assert not torch.allclose(
             got, ref.fused_moe(x, w13, w2, weights, ids, linear=kernel.linear), atol=1e-4
         )
+
+
+def _argmax_cases(g: torch.Generator) -> list[torch.Tensor]:
+    """Logit rows whose first maximum sits everywhere the two passes split work: in a vector, in the
+    scalar tail, repeated across vectors, at the ends, under infinities; strided rows too."""
+    cases = [
+        torch.randn(16, 49152, generator=g),
+        torch.randn(3, 1000, generator=g),
+        torch.randn(5, 7, generator=g),
+    ]
+    cases.append(torch.randn(1, 1, generator=g))
+    ties = torch.randn(6, 300, generator=g).round()  # small integers: many equal values
+    ties[0, [5, 17, 250]] = 9.0  # the same maximum in three vectors
+    ties[1, [299, 298]] = 9.0  # only in the tail (300 = 18 x 16 + 12)
+    ties[2, 0], ties[2, 299] = 9.0, 9.0  # first and last
+    ties[3] = float("-inf")  # every value -inf: index 0
+    ties[4, [40, 41]] = float("inf")
+    ties[5] = 0.0
+    ties[5, 100] = -0.0  # equal to +0.0: index 0 stays first
+    cases.append(ties)
+    cases.append(torch.randn(4, 640, generator=g)[:, 3:517])  # rows 640 apart, 514 wide
+    return cases
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", [None, *CPU_KERNEL_VARIANTS])
+def test_the_argmax_kernel_equals_torch_argmax(variant, monkeypatch):
+    """Every row's first maximum, as torch.argmax gives it, in every build; a row with a NaN is left to
+    torch (which ranks NaN first)."""
+    if variant is not None:
+        monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernel_variant(variant))
+    g = torch.Generator().manual_seed(11)
+    for x in _argmax_cases(g):
+        got = cpu_kernels.argmax(x)
+        assert got is not None and got.dtype == torch.int32
+        assert got.tolist() == x.argmax(dim=-1).tolist(), x.shape
+    x = torch.randn(3, 100, generator=g)
+    x[1, 60] = float("nan")
+    assert cpu_kernels.argmax(x) is None
+    assert kernel.argmax(x).tolist() == x.argmax(dim=-1).tolist()  # torch's answer, NaN row included

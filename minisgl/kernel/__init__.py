@@ -210,8 +210,12 @@ def add_rms_norm_linear(
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) as int32 for 2-D logits: a two-pass Triton kernel on a GPU (torch's single pass
-    reads a large batch of vocabulary-wide rows far below the bandwidth: docs/BENCHMARKS.md), torch
-    elsewhere."""
+    reads a large batch of vocabulary-wide rows far below the bandwidth: docs/BENCHMARKS.md), two vector
+    passes in C on a CPU in float32 (torch's took ~1 ms a decode batch there), torch elsewhere."""
+    if x.dim() == 2 and x.numel() and cpu.elementwise_ok(x):
+        out = cpu.argmax(x)
+        if out is not None:
+            return out
     ops = _triton_kernels() if _on_gpu(x) else None
     if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
         return ops.argmax(x)

@@ -62,6 +62,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attention_f32.restype = None
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i32]
+    lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    lib.argmax_rows_f32.restype = i64
     lib.rotary_neox_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     lib.store_kv_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
     lib.dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, ptr, i32]
@@ -191,6 +193,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(M, I2 // 2, dtype=torch.float32)
     _load().silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), M, I2 // 2, torch.get_num_threads())
     return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """x.argmax(dim=-1) as int32 for float32 x [M, N] (unit column stride); None when a row holds a NaN
+    (torch's answer is the NaN's index: the caller asks torch)."""
+    M, N = x.shape
+    out = torch.empty(M, dtype=torch.int32)
+    nans = _load().argmax_rows_f32(x.data_ptr(), x.stride(0), M, N, out.data_ptr(), torch.get_num_threads())
+    return out if nans == 0 else None
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):

@@ -80,3 +80,68 @@ void store_kv_f32(float *k_cache, float *v_cache, const int64_t *loc, const floa
         memcpy(v_cache + loc[t] * row, v + t * v_stride, row * sizeof(float));
     }
 }
+
+/* out[m] = the first index of row m's maximum (torch.argmax's answer) for x [M, N] (row stride ld), in two
+ * vector passes: the maximum, then its first position. torch's argmax took ~1 ms for a decode batch's
+ * 16 x 49,152 logits; this takes a tenth of that. A row with a NaN gets -1 (torch ranks NaN first: the
+ * caller asks torch then); returns how many rows had one. */
+static int64_t argmax_row(const float *x, int64_t N) {
+    int64_t i = 0;
+    float m = -INFINITY;
+    int nan = 0;
+#if defined(__AVX512F__)
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 un = 0;
+    for (; i + 16 <= N; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, v);
+    }
+    nan = un != 0;
+    m = _mm512_reduce_max_ps(vm);
+#elif defined(__AVX2__)
+    __m256 vm = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= N; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(vm, v);
+    }
+    nan = _mm256_movemask_ps(un) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+#endif
+    for (; i < N; i++) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    if (nan) return -1;
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 vmax = _mm512_set1_ps(m);
+    for (; i + 16 <= N; i += 16) {
+        __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vmax, _CMP_EQ_OQ);
+        if (eq) return i + __builtin_ctz(eq);
+    }
+#elif defined(__AVX2__)
+    const __m256 vmax = _mm256_set1_ps(m);
+    for (; i + 8 <= N; i += 8) {
+        int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vmax, _CMP_EQ_OQ));
+        if (eq) return i + __builtin_ctz(eq);
+    }
+#endif
+    for (; i < N; i++)
+        if (x[i] == m) return i;
+    return 0;  // unreachable: m is one of the row's values
+}
+
+int64_t argmax_rows_f32(const float *x, int64_t ld, int64_t M, int64_t N, int32_t *out, int num_threads) {
+    int64_t nans = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(+ : nans) if (M * N > 65536)
+    for (int64_t r = 0; r < M; r++) {
+        int64_t idx = argmax_row(x + r * ld, N);
+        out[r] = (int32_t)idx;
+        nans += idx < 0;
+    }
+    return nans;
+}
