@@ -30,7 +30,7 @@ from test_sampler import DRAWS, LOGITS, assert_matches, expected_probs, make_inf
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.sampler import Sampler
 from minisgl.scheduler import SchedulerConfig
-from minisgl.scheduler.speculative import NgramProposer, SpecState, StepCosts
+from minisgl.scheduler.speculative import IDLE_REST, NgramProposer, SpecState, StepCosts
 from minisgl.utils.options import OptionError, build
 
 DEVICE = torch.device("cpu")
@@ -238,6 +238,43 @@ def test_greedy_speculation_equals_hf_one_request_at_a_time_with_stops(tiny_mode
                 [prompt], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
             )
             assert out[0]["token_ids"] == expected[: expected.index(stop) + 1]
+        assert_all_kv_free(llm)
+
+
+def test_with_overlap_requests_that_do_not_propose_keep_their_steps_overlapped(tiny_model_dirs, hf_reference):
+    """Overlap scheduling with speculation on: a step drains the step in flight only when a request may
+    propose. Requests that found nothing to propose rest IDLE_REST steps, during which decode steps
+    overlap; the tokens still equal Hugging Face's, and the repeating prompts still get verify steps."""
+    name = "qwen3"
+    ref = hf_reference(name)
+    prompts = _prompts(ref.model.config.vocab_size)
+    spec = {"speculative": "ngram", "speculative_ngram_min": 3, "overlap": True}
+    with make_llm(tiny_model_dirs[name], **tiny_llm_kwargs(), **spec) as llm:
+        always_propose(llm)
+        sched = llm.scheduler
+        counts = {"drains": 0, "steps": 0}
+        drain, step = sched._drain, sched.step
+
+        def counting_drain():
+            drained = drain()
+            counts["drains"] += drained
+            return drained
+
+        def counting_step():
+            counts["steps"] += 1
+            return step()
+
+        sched._drain, sched.step = counting_drain, counting_step
+        for i, prompt in enumerate(prompts):
+            verify_before = sched.verifier.spec_steps
+            steps_before, drains_before = counts["steps"], counts["drains"]
+            out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+            assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"prompt {i}")
+            verifies = sched.verifier.spec_steps - verify_before
+            steps, drains = counts["steps"] - steps_before, counts["drains"] - drains_before
+            # a drain before each verify step, and one in IDLE_REST + 1 steps of those that proposed nothing
+            assert drains <= verifies + (steps - verifies) / (IDLE_REST + 1) + 2, (i, drains, verifies, steps)
+        assert sched.verifier.spec_steps > 0
         assert_all_kv_free(llm)
 
 

@@ -83,7 +83,7 @@ class Scheduler:
         self.output = OutputProcessor(self.eos_token_ids, pooling, self._end)
         self.retraction = Retraction(self.cache, self.decode, self.prefill, self._release)
         self.verifier = Verifier(
-            config, self.cache, self.batches, self.engine, self.output.emit, self.grammar
+            config, self.cache, self.batches, self.engine, self.output.emit, self.grammar, self.overlap
         )
         self._in_flight: tuple[Batch, ForwardOutput] | None = None
         self._pending_outputs: list[StepOutput] = []
@@ -157,16 +157,16 @@ class Scheduler:
         """Run one step; returns the tokens that became known (the previous step's with overlap)."""
         if self.grammar.compiling:
             self._admit_compiled()
+        # a step's cost for StepCosts is the wall time of this call: with overlap, a decode step's is
+        # only while the previous decode step was in flight (it then waits for it: the steady state); a
+        # verify step's from after the drain before it (scheduler/speculative.py)
+        self._step_start = time.perf_counter()
+        steady = self._in_flight is not None or not self.overlap
         batch = self._schedule()
         out = fwd = None
-        start = time.perf_counter()
         timed = batch is not None and self.verifier.times_steps(batch, len(self.decode.running))
         if batch is not None and batch.grammar_rows is not None:
             fwd = self.launcher.launch_forward(batch)  # its masks need the tokens of the step in flight
-        elif timed:
-            out = self.launcher.launch(batch)
-            out.wait()  # the step's cost (it is processed now or at the next step's drain anyway)
-            self.verifier.step_costs.add(batch.size, time.perf_counter() - start)
         elif batch is not None:
             out = self.launcher.launch(batch)
         results, self._pending_outputs = self._pending_outputs, []
@@ -175,9 +175,6 @@ class Scheduler:
             self._in_flight = None
         if fwd is not None:
             out = self.launcher.launch_sample(batch, fwd, self.grammar.mask)
-            if timed:  # nothing was in flight: speculation drains before a decode step
-                out.wait()
-                self.verifier.step_costs.add(batch.size, time.perf_counter() - start)
         if batch is None and not results and self.grammar.compiling:
             self.grammar.wait(0.05)  # nothing to run until a grammar is compiled: do not spin
         if out is not None:
@@ -185,6 +182,8 @@ class Scheduler:
                 self._in_flight = (batch, out)
             else:
                 results += self._process(batch, out)
+        if timed and (steady or batch.drafts is not None):
+            self.verifier.step_costs.add(batch.size, time.perf_counter() - self._step_start)
         return results
 
     def _admit_compiled(self) -> None:
@@ -228,12 +227,14 @@ class Scheduler:
         return self._prepare_decode()
 
     def _prepare_decode(self) -> Batch | None:
-        if self.verifier.wants(len(self.decode.running)):
-            self._drain()  # proposals need every request's latest token on the host
+        running = self.decode.running
+        proposing = self.verifier.wants(len(running)) and self.verifier.proposing(running)
+        if proposing and self._drain():  # proposals need every request's latest token on the host
+            self._step_start = time.perf_counter()
         reqs = self.decode.decodable()
         if not reqs:
             return None
-        if self.verifier.wants(len(reqs)):
+        if proposing and self.verifier.wants(len(reqs)):
             batch = self.verifier.prepare(reqs)
             if batch is not None:
                 return batch

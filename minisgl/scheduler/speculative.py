@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 # REST steps (proposes nothing), then tries again from TRY_AGAIN
 SMOOTHING = 0.3
 POOR, REST, TRY_AGAIN = 0.15, 16, 0.4
+# with overlap, the steps a request rests after it had nothing to propose (Verifier.prepare)
+IDLE_REST = 3
 
 
 COST_SMOOTHING = 0.2
@@ -55,6 +57,7 @@ class SpecState:
     # verify step is a run of accepted proposals ended by a rejection or by the last one)
     hit: float = 0.8
     rest: int = 0  # decode steps left without proposing
+    proposing: bool = False  # whether it proposes this step (Verifier.proposing)
     proposer: dict = field(default_factory=dict)  # the proposer's per-request data
 
     def ready(self) -> bool:

@@ -11,7 +11,7 @@ from minisgl.core import Batch, Phase, Req
 
 from .prefill import pages_for
 from .proposers import create_proposer
-from .speculative import SpecState, StepCosts
+from .speculative import IDLE_REST, SpecState, StepCosts
 
 if TYPE_CHECKING:
     from minisgl.engine import Engine
@@ -34,11 +34,15 @@ class Verifier:
         engine: Engine,
         emit: Callable[[Req, int, int, tuple | None], StepOutput],
         grammar: GrammarManager,
+        overlap: bool = False,
     ) -> None:
         self.config, self.cache, self.batches, self.engine = config, cache, batches, engine
         self.grammar = grammar  # a constrained request's proposals are cut where its grammar rejects them
         self.page_size = config.page_size
         self.emit = emit  # gives a request one of the step's tokens (OutputProcessor.emit)
+        # with overlap, a step that may propose first drains the step in flight: a request that found
+        # nothing to propose rests a few steps, which then overlap as without speculation
+        self.idle_rest = IDLE_REST if overlap else 0
         if config.speculative is not None:
             # a verify step has up to k + 1 rows for each of at most speculative_max_batch requests
             engine.capture_verify_graphs(config.speculative_max_batch * (config.num_speculative_tokens + 1))
@@ -54,6 +58,18 @@ class Verifier:
     def wants(self, num_reqs: int) -> bool:
         """Whether a decode step of `num_reqs` requests may verify proposals."""
         return self.on and 0 < num_reqs <= self.config.speculative_max_batch
+
+    def proposing(self, reqs: list[Req]) -> bool:
+        """Whether any of the running requests proposes this step (those resting count one step down);
+        called once a step while speculation is possible, before `prepare`. While none proposes, decode
+        steps overlap as without speculation: nothing drains for proposals."""
+        any_ready = False
+        for r in reqs:
+            if r.spec is None:
+                r.spec = SpecState()
+            r.spec.proposing = r.spec.ready()
+            any_ready |= r.spec.proposing
+        return any_ready
 
     def times_steps(self, batch: Batch, num_running: int) -> bool:
         """A decode or verify step while speculation is possible: its cost by rows chooses k (StepCosts).
@@ -71,22 +87,25 @@ class Verifier:
         max_k = self.config.num_speculative_tokens
         rooms = []
         for r in reqs:
-            if r.spec is None:
-                r.spec = SpecState()
+            assert r.spec is not None  # `proposing` ran this step
             room = r.max_total_len - r.device_len - 1  # no proposals beyond the request's last position
-            rooms.append(room if room > 0 and r.spec.ready() else 0)
+            rooms.append(room if room > 0 and r.spec.proposing else 0)
         if self.config.tp_info.size > 1:
             ks = [min(r.spec.k(max_k), room) for r, room in zip(reqs, rooms)]
         else:  # the k of the most expected tokens per second of the step
             k = self.step_costs.best_k([r.spec.hit for r, m in zip(reqs, rooms) if m], len(reqs), max_k)
-            if k == 0:
-                for r, m in zip(reqs, rooms):
-                    if m:
-                        r.spec.pause()
+            for r, m in zip(reqs, rooms):
+                if m and k == 0:  # decoding pays more
+                    r.spec.pause()
+                elif m and k is None:  # a decode step of this size is timed first: the next step rests,
+                    r.spec.rest = max(r.spec.rest, 1)  # so that it overlaps this one (Scheduler.step)
             ks = [min(k or 0, room) for room in rooms]
         drafts = [d[:k] for d, k in zip(self.proposer.propose(reqs, ks), ks)] if any(ks) else []
         # under a grammar, only the proposals it accepts (the matchers are exact: the step was drained)
         drafts = [d if r.grammar is None else self.grammar.allowed_drafts(r, d) for r, d in zip(reqs, drafts)]
+        for r, k, d in zip(reqs, ks, drafts or [[]] * len(reqs)):
+            if k and not d:
+                r.spec.rest = max(r.spec.rest, self.idle_rest)
         if not any(drafts):
             return None
         ps = self.page_size
