@@ -339,6 +339,9 @@ class Batch:
     # their input tokens
     drafts: list[int] | None = None
     draft_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the rows whose proposal was drawn from a draft distribution q, checked by speculative_sample
+    # (engine/sampler.py): (rows [R] int64, their proposals [R] int64, their q [R, vocab] float32)
+    draft_probs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.phase = Phase(self.phase)

@@ -2,8 +2,9 @@
 
 Greedy: token for token Hugging Face's greedy continuation, on tiny random models (batched, chunked,
 prefix-cached, page sizes 1 and 16) and the default model. Sampled: the rejection scheme's tokens follow
-the target's processed distribution, on a fixed logit vector and end to end at the first and a later
-speculated position (chi-square against probabilities computed with Hugging Face). No KV page or cache
+the target's processed distribution, for guessed and for drawn proposals (speculative_sample: kept as
+often as sum min(p, q)) on a fixed logit vector, and end to end at the first and a later speculated
+position (chi-square against probabilities computed with Hugging Face). No KV page or cache
 node is left behind after many rejected proposals."""
 
 from __future__ import annotations
@@ -154,6 +155,38 @@ def test_keeping_a_proposal_when_the_draw_equals_it_is_the_rejection_scheme(kw, 
     residual = probs.clone()
     residual[draft] = 0.0
     assert_matches(tokens[~kept], residual / residual.sum())
+
+
+# a near draft swaps two pairs of neighbouring tokens of the target's logits, a far one reverses them: the
+# processing (temperature, top-k, top-p) commutes with the permutation, so q by hand is p permuted
+NEAR, FAR = [1, 0, 2, 3, 5, 4, 6, 7, 8, 9], list(range(9, -1, -1))
+
+
+@pytest.mark.parametrize("perm", [NEAR, FAR], ids=["near", "far"])
+@pytest.mark.parametrize(
+    "kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8}]
+)
+def test_proposals_drawn_from_the_draft_are_checked_by_speculative_sampling(kw, perm):
+    """Rows whose proposal d was drawn from the draft's q (as the draft processes its logits) keep d with
+    probability sum min(p, q), a rejected row's token follows max(p - q, 0) renormalised, and every
+    row's token follows p (p, q by hand: expected_probs)."""
+    params = SamplingParams(**kw)
+    p = expected_probs(kw["temperature"], kw.get("top_k", -1), kw.get("top_p", 1.0))
+    q_hand = p[perm]
+    info = make_info([params] * DRAWS)
+    q = Sampler(DEVICE).probs(LOGITS[perm][None, :].repeat(DRAWS, 1), info)
+    assert torch.allclose(q, q_hand.float().expand_as(q), atol=1e-6)
+    proposals = torch.multinomial(q, 1, generator=torch.Generator().manual_seed(1))[:, 0]
+    at = torch.arange(DRAWS)
+    torch.manual_seed(2)
+    tokens = Sampler(DEVICE).sample(LOGITS[None, :].repeat(DRAWS, 1), info, (at, proposals, q))
+    kept = tokens == proposals
+    rate = float(torch.minimum(p, q_hand).sum())
+    assert abs(float(kept.double().mean()) - rate) <= 4 * math.sqrt(max(rate * (1 - rate), 1e-9) / DRAWS)
+    if rate < 1 - 1e-9:
+        residual = (p - q_hand).clamp_min(0)
+        assert_matches(tokens[~kept], residual / residual.sum())
+    assert_matches(tokens, p)
 
 
 # ---- greedy end to end: equal to Hugging Face --------------------------------------------------------

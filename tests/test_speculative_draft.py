@@ -6,10 +6,14 @@ random draft of another architecture that is nearly always wrong), batched with 
 nothing, chunked, prefix-cached, page sizes 1 and 16. Neither the target's pool nor the draft's keeps a
 page it should not hold, counted by hand while running and after. A sampled run's tokens follow the
 target's distribution (chi-square against Hugging Face), seeded (the draft draws with the target's noise)
-and unseeded (the draft's argmax); seeded and penalised requests give their plain-path tokens. A draft
-with another vocabulary is refused; one with the target's tokenizer and padded embeddings runs."""
+and unseeded (drawn from the draft's q, checked by speculative sampling), whose proposals are kept as
+often as sum min(p, q) says, more than the draft's argmax; seeded and penalised requests give their
+plain-path tokens. A draft with another vocabulary is refused; one with the target's tokenizer and
+padded embeddings runs."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -26,6 +30,7 @@ from test_speculative import _chi_bound, _pooled_chi_square, always_propose
 
 from minisgl.core import SamplingParams
 from minisgl.scheduler import SchedulerConfig
+from minisgl.scheduler import draft as draft_module
 from minisgl.scheduler.prefill import pages_for
 from minisgl.scheduler.speculative import SpecState
 from minisgl.utils.options import OptionError, build
@@ -211,8 +216,14 @@ def test_a_draft_request_aborted_or_retracted_gives_its_draft_pages_back(tiny_mo
         assert_draft_pages_free(llm)
 
 
+def _hf_probs(model, seqs: list[list[int]], temperature: float) -> torch.Tensor:
+    """A Hugging Face model's distribution of the token after each of `seqs` at `temperature`, float64."""
+    logits = model(input_ids=torch.tensor(seqs)).logits[:, -1].double()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("seeded", [True, False])  # the draft draws with the target's noise / its argmax
+@pytest.mark.parametrize("seeded", [True, False])  # the draft draws with the target's noise / from its q
 def test_sampled_tokens_with_a_draft_follow_the_target(tiny_model_dirs, hf_reference, drafts, seeded):
     """Sampled requests (temperature 0.5) of 4 tokens each: the second token is the first one a verify
     step checks, the third one the second. The second follows the exact marginal
@@ -224,8 +235,7 @@ def test_sampled_tokens_with_a_draft_follow_the_target(tiny_model_dirs, hf_refer
     temperature = 0.5
 
     def probs(seqs: list[list[int]]) -> torch.Tensor:
-        logits = model(input_ids=torch.tensor(seqs)).logits[:, -1].double()
-        return torch.softmax(logits / temperature, dim=-1)
+        return _hf_probs(model, seqs, temperature)
 
     p1 = probs([prompt])[0]
     p2 = probs([prompt + [t] for t in range(VOCAB)])  # [t1, t2]
@@ -260,11 +270,67 @@ def test_sampled_tokens_with_a_draft_follow_the_target(tiny_model_dirs, hf_refer
     assert stat < _chi_bound(df), f"third token: chi-square {stat:.1f} (df {df})"
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_drawn_proposal_is_kept_with_probability_sum_min_p_q_more_often_than_the_argmax(
+    tiny_model_dirs, hf_reference, drafts, monkeypatch, graphs
+):
+    """Unseeded sampled requests of 3 tokens propose once, after their first token t1. A proposal drawn
+    from the draft's q is kept with probability sum_t1 p(t1) sum_x min(p(x | t1), q(x | t1)); the draft's
+    argmax (the proposal of seeded-less requests before drawn proposals were checked) with
+    sum_t1 p(t1) p(argmax q | t1), which is lower here (p, q: the target and the draft in Hugging Face).
+    With graphs (emulated), the verify steps replay the verify graphs and sample drawn proposals eagerly
+    (the sampling graphs only without them)."""
+    from transformers import AutoModelForCausalLM
+
+    target = hf_reference(TARGET).model
+    draft = AutoModelForCausalLM.from_pretrained(drafts["near"], dtype=torch.float32)
+    prompt = random_prompt(12, VOCAB, 7)
+    temperature = 0.8
+    p1 = _hf_probs(target, [prompt], temperature)[0]
+    after = [prompt + [t] for t in range(VOCAB)]
+    p2, q2 = _hf_probs(target, after, temperature), _hf_probs(draft, after, temperature)
+    expected = {
+        "drawn": float(p1 @ torch.minimum(p2, q2).sum(-1)),
+        "argmax": float(p1 @ p2.gather(1, q2.argmax(-1, keepdim=True))[:, 0]),
+    }
+    n = 1500
+    params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+    # with graphs, 4 requests at a time: 8 rows, inside the graphs (the decode batch sizes up to 8)
+    group = 4 if graphs else n
+    if graphs:
+        kw = tiny_llm_kwargs(cuda_graph_max_bs=8, sampler="fused", max_running_req=8, speculative_max_batch=4)
+    else:
+        kw = tiny_llm_kwargs(max_running_req=64, speculative_max_batch=64)
+    measured = {}
+    for mode in ("drawn", "argmax"):
+        if mode == "argmax":
+            monkeypatch.setattr(draft_module, "draws_from_q", lambda req: False)
+        with _draft_llm(tiny_model_dirs[TARGET], drafts["near"], **kw) as llm:
+            always_propose(llm)
+            for _ in range(0, n, group):
+                llm.generate([prompt] * group, [params] * group)
+            stats = llm.stats()
+            assert_all_kv_free(llm)
+            assert_draft_pages_free(llm)
+            verify = llm.scheduler.engine.verify_graphs
+            if graphs:
+                assert verify.replays > 0 and (verify.sample_replays == 0) == (mode == "drawn")
+        proposed, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
+        assert proposed > n / 2, stats
+        measured[mode] = accepted / proposed
+        e = expected[mode]
+        assert abs(measured[mode] - e) <= 4 * math.sqrt(e * (1 - e) / proposed), (mode, measured[mode], e)
+    print(f"acceptance measured {measured}, expected {expected} (graphs {graphs})")
+    assert expected["drawn"] > expected["argmax"] + 0.1
+
+
 def test_seeded_and_penalised_requests_give_the_tokens_they_give_without_speculation(tiny_model_dirs, drafts):
     """A seeded sampled request's tokens are its draws without speculation (the draft draws with the same
     noise, so many proposals are kept); penalised and biased greedy requests are their plain-path tokens
-    (the draft applies the penalties over its own copy of the history)."""
-    prompts = [random_prompt(15 + i, VOCAB, 700 + i) for i in range(6)]
+    (the draft applies the penalties over its own copy of the history). Unseeded sampled requests, some
+    penalised, share the verify steps with drawn proposals and leave the others' tokens as they are."""
+    prompts = [random_prompt(15 + i, VOCAB, 700 + i) for i in range(8)]
     params = [
         SamplingParams(temperature=0.6, max_tokens=30, ignore_eos=True, seed=5 + i, top_k=50, top_p=0.95)
         for i in range(3)
@@ -273,14 +339,20 @@ def test_seeded_and_penalised_requests_give_the_tokens_they_give_without_specula
         SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.3),
         SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={5: 2.0, 9: -1.0}),
     ]
+    unseeded = [
+        SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True, top_k=40, repetition_penalty=1.2),
+        SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True, top_p=0.9, logit_bias={5: 1.0}),
+    ]
     with make_llm(tiny_model_dirs[TARGET], **tiny_llm_kwargs()) as llm:
-        plain = [o["token_ids"] for o in llm.generate(prompts, params)]
+        plain = [o["token_ids"] for o in llm.generate(prompts[:6], params)]
     with _draft_llm(tiny_model_dirs[TARGET], drafts["near"], num_speculative_tokens=4) as llm:
         always_propose(llm)
-        spec = [o["token_ids"] for o in llm.generate(prompts, params)]
+        spec = [o["token_ids"] for o in llm.generate(prompts, params + unseeded)]
         stats = llm.stats()
         assert_all_kv_free(llm)
-    assert spec == plain
+        assert_draft_pages_free(llm)
+    assert spec[:6] == plain
+    assert all(len(out) == 30 and max(out) < VOCAB for out in spec[6:])
     assert stats["spec_accepted_tokens"] > stats["spec_proposed_tokens"] / 4, stats
 
 
@@ -339,7 +411,9 @@ def test_drafts_with_the_target_tokenizer_and_padded_embeddings_run_exactly(
     """Checkpoints of one family pad their embeddings differently: with the target's tokenizer (700 ids,
     inside both), a draft of 760 or 720 embedding rows runs. A proposal of an id the target lacks is cut
     off before it, and an id the draft lacks (the random target produces some) is fed to the draft as one
-    of its own; the output stays the target's. A draft with another tokenizer of the same size is refused."""
+    of its own; the output stays the target's. Sampled requests without a seed (proposals drawn from the
+    draft's q, cut or padded to the target's ids) get tokens of the target's vocabulary. A draft with
+    another tokenizer of the same size is refused."""
     import shutil
 
     ref = hf_reference(TARGET)
@@ -357,7 +431,11 @@ def test_drafts_with_the_target_tokenizer_and_padded_embeddings_run_exactly(
             always_propose(llm)
             outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
             assert llm.stats()["spec_proposed_tokens"] > 0
+            sampled = llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=30, ignore_eos=True))
+            assert all(0 <= t < VOCAB for o in sampled for t in o["token_ids"])
+            assert llm.stats()["spec_accepted_tokens"] > 0
             assert_all_kv_free(llm)
+            assert_draft_pages_free(llm)
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             assert_tokens_equal_hf(out["token_ids"], ref, prompt, what=f"draft of {rows} rows, prompt {i}")
     _save_tokenizer(draft, 699, prefix="v")

@@ -379,8 +379,9 @@ class Engine:
             apply_token_mask(logits, mask)  # in place: the logprobs are those of the masked rows too
         if fwd.greedy is not None and info.all_greedy and mask is None:
             next_tokens = fwd.greedy
-        elif fwd.graphs is not None and fwd.graphs.can_sample(info):
-            # the batch's own sampling graph, over the decode graph's logits buffer (masked in place)
+        elif fwd.graphs is not None and fwd.graphs.can_sample(info) and batch.draft_probs is None:
+            # the batch's own sampling graph, over the decode graph's logits buffer (masked in place); a
+            # verify step that checks drawn proposals samples eagerly (its q rows are no graph input)
             next_tokens = fwd.graphs.replay_sampling(batch, info)
         else:
             next_tokens = self._sample(logits, batch)
@@ -408,7 +409,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         if batch.is_prefill:  # its rows sample for the first time since admission: their tokens so far
             self.sampler.load_history(batch.sampling_info)  # enter the token pool, if penalties read them
-        next_tokens = self.sampler.sample(logits, batch.sampling_info)
+        next_tokens = self.sampler.sample(logits, batch.sampling_info, batch.draft_probs)
         self.token_pool[batch.sample_table_idx, batch.sample_pos] = next_tokens
         return next_tokens
 

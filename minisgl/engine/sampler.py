@@ -242,6 +242,26 @@ def rows_of(
     return kernel.SamplingRows(*floats.unbind(0), *ints.unbind(0), step_seed, has_top_k, has_top_p)
 
 
+def speculative_sample(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's check of proposals drawn from a draft distribution, one per row: the row's
+    token [R] int32 for the target's distributions p [R, V], the draft's q [R, V] and proposals [R], each
+    d ~ q. With u ~ U(0, 1), d is kept when u q(d) < p(d) (probability min(1, p(d) / q(d))); otherwise the
+    token is a draw from the residual max(p - q, 0), renormalised, which is 0 at a rejected d (only
+    p(d) < q(d) can reject), so the token equals d exactly when d is kept. Its distribution is p:
+    P(x) = q(x) min(1, p(x) / q(x)) + (1 - sum_y min(p(y), q(y))) r(x) = min(p, q)(x) + max(p - q, 0)(x),
+    and d is kept with probability sum_x min(p(x), q(x)). u and the residual's exponential noise come from
+    torch's generator on the device; nothing synchronises with the host."""
+    d = proposals.long()[:, None]
+    kept = torch.rand_like(p[:, 0]) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
+    residual = (p - q).clamp_min(0.0)
+    # no residual mass (p == q up to rounding, which rejects only where p(d) = q(d) = 0): draw from p
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    # a draw from the residual: argmax of r / E, E ~ Exp(1), over its support (0 / 0 is no winner)
+    noise = torch.empty_like(residual).exponential_()
+    other = torch.where(residual > 0, residual / noise, -1.0).argmax(dim=-1)
+    return torch.where(kept, d[:, 0], other).to(torch.int32)
+
+
 def draw_step_seed(device: torch.device) -> torch.Tensor:
     """[1] int64 on the device: the seed of this step's unseeded rows, from torch's (CPU) generator, so that
     torch.manual_seed makes unseeded sampling reproducible."""
@@ -265,8 +285,10 @@ class Sampler:
             assert self.token_pool is not None, "history penalties need the token pool"
             info.penalties.load_history(self.token_pool)
 
-    def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
-        """logits [S, V] -> token ids [S] (int32), on the device, with no host synchronisation."""
+    def sample(self, logits: torch.Tensor, info: SamplingInfo, drawn: tuple | None = None) -> torch.Tensor:
+        """logits [S, V] -> token ids [S] (int32), on the device, with no host synchronisation. `drawn`:
+        the rows of a verify step that check a proposal drawn from a draft distribution (Batch.draft_probs),
+        whose tokens come from `speculative_sample` instead."""
         if info.all_greedy:
             return kernel.argmax(logits)
         if info.penalties is not None:
@@ -274,7 +296,20 @@ class Sampler:
             if info.rows is None:  # every row greedy, some of them penalised or biased
                 return kernel.argmax(logits)
         rows = info.rows._replace(step_seed=draw_step_seed(logits.device))
-        return (kernel.sample if self.fused else kernel_ref.sample)(logits, rows)
+        tokens = (kernel.sample if self.fused else kernel_ref.sample)(logits, rows)
+        if drawn is not None:
+            at, proposals, q = drawn
+            p = kernel_ref.probabilities(logits, rows).index_select(0, at)
+            tokens.index_copy_(0, at, speculative_sample(p, q, proposals))
+        return tokens
+
+    def probs(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+        """Each row's processed distribution [S, V] float32, what `sample` draws a sampled row from: after
+        logit_bias and penalties, at its temperature, over what min-p, top-k and top-p keep."""
+        assert info.rows is not None, "a batch of greedy rows draws from no distribution"
+        if info.penalties is not None:
+            logits = info.penalties.apply(logits, self.token_pool)
+        return kernel_ref.probabilities(logits, info.rows)
 
     @staticmethod
     def logprobs(

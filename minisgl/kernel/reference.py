@@ -179,6 +179,14 @@ def sample(logits: torch.Tensor, rows) -> torch.Tensor:
     return torch.where(rows.temperature > 0, score.argmax(dim=-1), greedy).to(torch.int32)
 
 
+def probabilities(logits: torch.Tensor, rows) -> torch.Tensor:
+    """The distribution `sample` draws each row from, [S, V] float32 summing to 1: the tokens min-p, top-k and
+    top-p keep, at the row's temperature, renormalised (a greedy row's is its softmax: not what it draws)."""
+    e, keep, _ = _weights(logits, rows)
+    w = torch.where(keep, e, 0.0)
+    return w / w.sum(dim=-1, keepdim=True)
+
+
 def _weights(logits: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each token's unnormalised probability [S, V] at the row's temperature, the tokens min-p, top-k and
     top-p keep [S, V], the greedy token [S]): the distribution `sample` draws from is e over `keep`."""

@@ -13,19 +13,20 @@ synchronisation per `propose`). The K/V of rejected proposals is overwritten by 
 pages past the valid K/V go back to the draft's free list then, and all of them when the request
 finishes, is aborted or is retracted (`release`).
 
-The verify step keeps a proposal d exactly when the target's own draw x equals it (scheduler/speculative.py),
-and every token the request gets is such an x, drawn as without speculation: the output is the target's
-whatever the proposals are. So the proposals only need to be likely to equal x:
-- a greedy request, or a sampled one without a seed: the draft's argmax (after the request's logit_bias
-  and penalties, which the draft applies as the target does). A sampled x equals d with probability p(d),
-  at most max p, which the draft's argmax reaches where it ranks tokens as the target; a draw from the
-  draft's own q (independent of x) would match with probability sum q(d) p(d), never more.
+What the draft proposes, by the check the verify step makes (scheduler/speculative.py); the output is the
+target's whatever the proposals are:
+- a greedy request: the draft's argmax (after the request's logit_bias and penalties, which the draft
+  applies as the target does), kept when it is the target's argmax.
+- a sampled request without a seed: a draw from the draft's processed distribution q (the request's
+  temperature, min-p, top-k, top-p, penalties and bias applied to the draft's logits), whose q over the
+  target's vocabulary the verify step reads (`draft_probs`) to keep d with probability min(1, p(d) / q(d)).
+  It is kept with probability sum min(p, q), where the draft's argmax, kept only when the target's own
+  draw equals it, would be kept with probability p(argmax q). Under a grammar, which cuts the proposals
+  where it rejects them (a cut that would bias that check), the draft's argmax instead.
 - a sampled request with a seed: the draft's draw under the request's parameters with the very noise the
-  target's draw of that position uses (the sampler keys a seeded row's noise by seed and position), so d
-  and x are one noise pushed through q and p: they agree whenever the two distributions are close where
-  the noise points, far more often than an independent draw, and x is unchanged (the same tokens as
-  without speculation). Rows without a seed take their noise from a per-step seed, which the draft cannot
-  know beforehand."""
+  target's draw of that position uses (the sampler keys a seeded row's noise by seed and position), kept
+  when the target's draw x equals it, so x is the token without speculation: d and x are one noise pushed
+  through q and p, and agree whenever the two distributions are close where the noise points."""
 
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ class DraftSeq:
     base: int = 0  # the request's token count when it last proposed: proposal i sits at position base + i
     proposed: list[int] = field(default_factory=list)  # those proposals (K/V written for all but the last)
     k: int = 0  # proposals asked for in the current `propose`
+    draws: bool = False  # the proposals are draws from the draft's q (`draws_from_q`)
+    # then the q of each proposal, [target vocab] float32, until the verify step has read them
+    probs: list[torch.Tensor] = field(default_factory=list)
 
 
 def _has_tokenizer(model_dir: str) -> bool:
@@ -153,11 +157,19 @@ class _GreedyRow:
     token_ids: list[int]
 
 
-def _draft_row(req: Req) -> Req | _GreedyRow:
-    """req as the draft samples it: as the target does when its noise is keyed by its seed (the draft draws
-    with the target's noise), else greedy."""
+def draws_from_q(req: Req) -> bool:
+    """Whether the draft draws req's proposals from its own processed distribution q, for the verify step's
+    speculative_sample: a sampled request with neither a seed (it must give its plain-path tokens) nor a
+    grammar (its proposals are cut where the grammar rejects them, which would bias a drawn one's check)."""
     p = req.sampling_params
-    if p.is_greedy or p.seed is not None:
+    return not p.is_greedy and p.seed is None and req.grammar is None
+
+
+def _draft_row(req: Req) -> Req | _GreedyRow:
+    """req as the draft samples it: as the target does when it draws from q or its noise is keyed by its
+    seed (the draft draws with the target's noise), else greedy."""
+    p = req.sampling_params
+    if p.is_greedy or p.seed is not None or draws_from_q(req):
         return req
     return _GreedyRow(dataclasses.replace(p, temperature=0.0), req.table_idx, req.prompt_len, req.token_ids)
 
@@ -230,6 +242,7 @@ class DraftProposer(Proposer):
         # the last token is always extended over: its position samples the first proposal
         seq.cached = min(seq.cached, valid, n - 1)
         seq.base, seq.proposed, seq.k = n, [], min(k, self.max_seq_len - n)
+        seq.draws, seq.probs = draws_from_q(req), []
         keep = pages_for(seq.cached, self.page_size)
         self.free_pages += seq.pages[keep:]
         del seq.pages[keep:]
@@ -260,12 +273,13 @@ class DraftProposer(Proposer):
                 chosen.append(i)
                 takes.append(take)
                 budget -= take
-            self.engine.forward_batch(
-                self._extend_batch([reqs[i] for i in chosen], [seqs[i] for i in chosen], takes)
-            )
+            self._run(*self._extend_batch([reqs[i] for i in chosen], [seqs[i] for i in chosen], takes))
             pending = [i for i in pending if seqs[i].cached < len(reqs[i].token_ids)]
 
-    def _extend_batch(self, reqs: list[Req], seqs: list[DraftSeq], takes: list[int]) -> Batch:
+    def _extend_batch(
+        self, reqs: list[Req], seqs: list[DraftSeq], takes: list[int]
+    ) -> tuple[Batch, list[DraftSeq]]:
+        """The step and the requests whose first proposal it samples."""
         starts = [s.cached for s in seqs]
         ends = [s + t for s, t in zip(starts, takes)]
         sample = [e == len(r.token_ids) for r, e in zip(reqs, ends)]
@@ -294,7 +308,7 @@ class DraftProposer(Proposer):
         batch.sampling_info = self._sampling([reqs[i] for i in picked], [ends[i] for i in picked])
         for s, e in zip(seqs, ends):
             s.cached = e
-        return batch
+        return batch, [seqs[i] for i in picked]
 
     def _decode(self, active: list[tuple[Req, DraftSeq]], step: int) -> None:
         """Decode step `step` (1..k-1): each request's input is proposal `step`, at position n + step - 1,
@@ -310,9 +324,35 @@ class DraftProposer(Proposer):
         batch.seq_lens_t = batch.positions + 1
         batch.sample_table_idx, batch.sample_pos = batch.table_idx, batch.seq_lens_t
         batch.sampling_info = self._sampling(reqs, [p + 1 for p in positions])
-        self.engine.forward_batch(batch)
+        self._run(batch, [s for _, s in active])
         for (_, s), p in zip(active, positions):
             s.cached = p + 1
+
+    def _run(self, batch: Batch, seqs: list[DraftSeq]) -> None:
+        """Run a draft step whose sampled rows propose for `seqs`, in order; keep the q of each proposal
+        drawn from q (`DraftSeq.probs`)."""
+        fwd = self.engine.forward(batch)
+        self.engine.sample(batch, fwd)
+        drawing = [i for i, s in enumerate(seqs) if s.draws]
+        if not drawing:
+            return
+        q = self.engine.sampler.probs(fwd.logits, batch.sampling_info)
+        if len(drawing) < len(seqs):
+            q = q[drawing]
+        for i, row in zip(drawing, self._over_target_vocab(q).unbind(0)):
+            seqs[i].probs.append(row)
+
+    def _over_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """q [n, draft vocab] as a distribution over the target's ids. A proposal the target lacks is cut
+        off (`propose`, which the target then samples itself), so a kept one is a draw from q over the
+        target's ids, renormalised; ids the draft lacks have no mass."""
+        extra = self.target_vocab - self.draft_vocab
+        if extra > 0:
+            return torch.nn.functional.pad(q, (0, extra))
+        if extra < 0:
+            q = q[:, : self.target_vocab]
+            return q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+        return q
 
     def _sampling(self, reqs: list[Req], positions: list[int]) -> SamplingInfo:
         """How the draft samples the tokens of `positions` (their indices in the requests' tokens, as the
@@ -321,6 +361,15 @@ class DraftProposer(Proposer):
         info = SamplingInfo.build(rows, positions, self.draft_vocab, self.engine.device)  # type: ignore[arg-type]
         info.top_logprobs = -1
         return info
+
+    def draft_probs(self, req: Req) -> list[torch.Tensor] | None:
+        seq = req.spec.proposer.get("draft")
+        return seq.probs if seq is not None and seq.draws else None
+
+    def on_accept(self, req: Req, accepted: int) -> None:
+        seq = req.spec.proposer.get("draft")
+        if seq is not None:
+            seq.probs = []  # read by the verify step
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def release(self, req: Req) -> None:

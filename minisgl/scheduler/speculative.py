@@ -5,13 +5,18 @@ decode step over k + 1 rows per request (scheduler.py `_prepare_decode`): row i 
 `cached_len + i`, its input the request's last token (i = 0) or proposal i, so it yields the target's token
 after proposal i. Rows of one request share its page-table row; each writes its own KV slot before any row
 attends, so row i sees the proposals before it as a prefill would. The engine samples every row as it
-samples a decode row (greedy: the argmax; sampled: the target's processed distribution, with the same
+samples a decode row (greedy: the argmax; sampled: the target's processed distribution p, with the same
 noise keys), and the request keeps the longest run of proposals equal to the rows' tokens, plus the next
-row's token; the KV of the rest is overwritten later, their extra pages freed. For a proposal that is
-one token (not a distribution), keeping it exactly when the target's own draw equals it is the rejection
-scheme of speculative sampling: it is kept with probability p(d), and when it is not, the draw is
-distributed as p without d, renormalised. So every token is distributed as without speculation, and a
-seeded request gives the very same tokens with speculation as without.
+row's token; the KV of the rest is overwritten later, their extra pages freed. A proposal d is checked
+by the rejection scheme of speculative sampling, in one of two forms, so that every token is distributed
+as without speculation:
+- d a guess (an n-gram's token, a draft's argmax or a seeded request's draft draw): kept exactly when
+  the target's own draw equals it, so with probability p(d); when it is not, the draw is distributed as p
+  without d, renormalised. A seeded request gives the very same tokens with speculation as without.
+- d drawn from a distribution q that the proposer gives (`Proposer.draft_probs`: the draft model's, for
+  a sampled request without a seed): the row's token is `speculative_sample`'s (engine/sampler.py), d
+  with probability min(1, p(d) / q(d)), else a draw from max(p - q, 0) renormalised, which is never d.
+  d is kept with probability sum min(p, q), against p(argmax q) for the draft's argmax.
 
 A new proposer (an EAGLE-style head) is one `Proposer` subclass registered in `PROPOSERS`
 (scheduler/proposers.py); the draft model's is scheduler/draft.py.
@@ -29,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from minisgl.core import Req
     from minisgl.engine import Engine
 
@@ -142,7 +149,7 @@ class Proposer(ABC):
     """Proposes the tokens that may follow each request's known tokens (prompt and output so far).
 
     The scheduler builds one from its config (`create`), asks it for proposals before each verify step
-    (`propose`), tells it how many of a request's proposals the target kept (`on_accept`), and lets it
+    (`propose`) and for the distributions it drew them from, if it drew them (`draft_probs`), tells it how many of a request's proposals the target kept (`on_accept`), and lets it
     drop a request's state when the request finishes, is aborted or is retracted (`release`)."""
 
     @classmethod
@@ -153,6 +160,12 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
         """At most ks[i] tokens for reqs[i] (fewer, or none, where it has no guess)."""
+
+    def draft_probs(self, req: Req) -> list[torch.Tensor] | None:
+        """The distributions [vocab] (float32, on the target's device) that req's latest proposals were
+        drawn from, one per proposal, or None: the proposals are guesses, each kept exactly when the
+        target's own draw equals it (the module docstring)."""
+        return None
 
     def on_accept(self, req: Req, accepted: int) -> None:
         """The target kept the first `accepted` proposals of req's last verify step (a head that reads

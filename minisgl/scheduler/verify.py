@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from minisgl.core import Batch, Phase, Req
 
 from .prefill import pages_for
@@ -121,8 +123,14 @@ class Verifier:
         rows: list[Req] = []
         positions: list[int] = []
         row_drafts: list[int] = []
+        drawn_at: list[int] = []  # the rows whose proposal was drawn from a distribution, and those
+        drawn_from: list[torch.Tensor] = []
         for i in order:
             r, d = reqs[i], drafts[i]
+            q = self.proposer.draft_probs(r) if d else None
+            if q is not None:
+                drawn_at += range(len(rows), len(rows) + len(d))
+                drawn_from += q[: len(d)]
             rows += [r] * (len(d) + 1)
             positions += range(r.cached_len, r.cached_len + len(d) + 1)
             row_drafts += [*d, -1]
@@ -141,6 +149,10 @@ class Verifier:
             [t if h else 0 for t, h in zip(row_drafts, has)],
         )
         self.batches.to_device(batch, positions, out_loc, [p + 1 for p in positions], spec_parts=writes)
+        if drawn_at:  # checked by speculative_sample (engine/sampler.py) instead of by equality alone
+            at = torch.tensor([drawn_at, [row_drafts[j] for j in drawn_at]], dtype=torch.int64)
+            at = at.to(self.engine.device, non_blocking=True)
+            batch.draft_probs = (at[0], at[1], torch.stack(drawn_from))
         for r in reqs:  # the base row, as in decode; accepted proposals advance further when processed
             r.cached_len += 1
             r.device_len += 1
