@@ -394,6 +394,45 @@ def test_triton_draft_speculation_equals_hf_with_graphs_on(tiny_model_dirs, hf_r
         assert_draft_pages_free(llm)
 
 
+@torch.no_grad()
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_drawn_proposals_follow_the_target_with_graphs_on(tiny_model_dirs, hf_reference, drafts):
+    """On CUDA (Triton attention and sampling, graphs on for both models): unseeded sampled requests of 3
+    tokens propose draws from the draft's q after their first token; a proposal is kept at the rate
+    sum_t1 p(t1) sum_x min(p(x | t1), q(x | t1)) and the second token follows the target's marginal
+    sum_t1 p(t1) p(t2 | t1) (p, q: the target and the draft in Hugging Face)."""
+    from transformers import AutoModelForCausalLM
+
+    target = hf_reference(TARGET).model
+    draft = AutoModelForCausalLM.from_pretrained(drafts["near"], dtype=torch.float32)
+    prompt = random_prompt(12, VOCAB, 7)
+    temperature = 0.8
+    p1 = _hf_probs(target, [prompt], temperature)[0]
+    after = [prompt + [t] for t in range(VOCAB)]
+    p2, q2 = _hf_probs(target, after, temperature), _hf_probs(draft, after, temperature)
+    expected = float(p1 @ torch.minimum(p2, q2).sum(-1))
+    n = 2000
+    kw = {"dtype": torch.float32, "attn": "triton", "num_page_override": 4096, "max_running_req": 64}
+    spec = {"num_speculative_tokens": 1, "speculative_max_batch": 64}
+    with _draft_llm(tiny_model_dirs[TARGET], drafts["near"], device="cuda", **kw, **spec) as llm:
+        always_propose(llm)
+        params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True)
+        outs = llm.generate([prompt] * n, [params] * n)
+        stats = llm.stats()
+        assert_all_kv_free(llm)
+        assert_draft_pages_free(llm)
+    proposed, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
+    assert proposed > n / 2, stats
+    assert abs(accepted / proposed - expected) <= 4 * math.sqrt(expected * (1 - expected) / proposed), (
+        accepted / proposed,
+        expected,
+    )
+    toks = torch.tensor([o["token_ids"] for o in outs])
+    stat, df = _pooled_chi_square(torch.bincount(toks[:, 1], minlength=VOCAB).double(), p1 @ p2)
+    assert stat < _chi_bound(df), f"second token: chi-square {stat:.1f} (df {df})"
+
+
 def _save_tokenizer(model_dir: str, words: int, prefix: str = "w") -> None:
     """A word-level tokenizer of `words` words and [UNK] (ids 0..words), saved beside a model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
