@@ -342,8 +342,10 @@ def test_decode_step_int8_is_close_to_exact(name, tmp_path):
             b = _step_logits(engine, int8, seqs, slot0=1000)
             cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
             # ~1% of the logits (about 10 here): the mean stays put, the minimum falls with more rows; with
-            # experts a token whose router's top k flips under the perturbation moves further (one of 40)
-            lo = (0.999, 0.9) if name == "qwen3_moe" else (0.9995, 0.995)
+            # experts a token whose router's top k flips under the perturbation moves further (one of 40,
+            # which by itself takes up to (1 - 0.9) / 40 off the mean; which token flips depends on the ISA's
+            # int8 rounding: on an AVX2-only machine one row lands at 0.80, so the mean is 0.9988 there)
+            lo = (0.995, 0.75) if name == "qwen3_moe" else (0.9995, 0.995)
             assert cos.mean() > lo[0] and cos.min() > lo[1], (name, B, cos.mean(), cos.min())
             assert (cos > 0.995).float().mean() > 0.95, (name, B, cos)
             assert (a - b).abs().max() > 0, "the int8 dot changed nothing: the exact path ran"
