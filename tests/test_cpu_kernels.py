@@ -108,7 +108,7 @@ def test_fallback_builds_of_attention_and_linear_equal_the_references(variant, m
         out = cpu_kernels.decode_attention(q, k_cache, v_cache, page_table, rows, lens_t, d**-0.5)
         expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows.tolist(), lens, d**-0.5)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
-    for m in (1, 5, 20, 40):
+    for m in (1, 5, 9, 20, 40):
         x = torch.randn(m, 288, generator=g)
         if hasattr(lib, "linear_packed_f32"):
             w = torch.randn(37, 288, generator=g)

@@ -61,9 +61,9 @@ def test_embedding_rows_are_the_reference_dequantization(name):
 
 @needs_kernels
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-# 1-6 rows: the dot path (3 rows of x at a time), 7+: the panel path; on AVX-512, 16+: x's rows in the
+# 1-9 rows: the dot path (all rows of x at a time), 10+: the panel path; on AVX-512, 16+: x's rows in the
 # lanes, in blocks of 16 (a partial block at 33) and 8 blocks at a time (129: a ninth)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 33, 129])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 16, 33, 129])
 @pytest.mark.parametrize("n", [5, 37])  # not multiples of the 4-row groups or 16-row panels
 def test_linear_equals_reference_matmul(name, rows, n):
     t = blocks.TYPE_IDS[name]

@@ -1,17 +1,20 @@
 /* The GEMM on GGUF weights as stored, y = x W^T (+ b), the blocks dequantized inside the kernel
  * (linear_stored): by row count of x, the dot path (GR weight rows a task, each block dequantized into
- * registers once for up to 3 rows of x), the panel path (NR weight rows dequantized into gemm.c's panel
- * layout, run through its micro-kernels), or with AVX-512 from XT_MIN rows the transposed-x path (x's rows
- * in the lanes). dot_tasks_work is the dot paths' task loop, shared with the int8 dot (q8_dot.c). */
+ * registers once for all of up to DOT_MAX rows of x: dot_group for one row, dot_group_wide from two), the
+ * panel path (NR weight rows dequantized into gemm.c's panel layout, run through its micro-kernels), or with
+ * AVX-512 from XT_MIN rows the transposed-x path (x's rows in the lanes). dot_tasks_work is the dot paths'
+ * task loop, shared with the int8 dot (q8_dot.c). */
 #include "gemm.h"
 #include "quants.h"
 #include "stored_gemm.h"
 
 #define QKC 256 /* K elements dequantized at a time: a multiple of every block size */
 #define PF_AHEAD 8 /* groups ahead that the dot path prefetches */
-#ifndef DOT_MAX
-#define DOT_MAX 6 /* rows of x up to which the dot path beats the panel path (its dequantizing and transposes) */
+#define DOT_MAX 9 /* rows of x up to which the dot path beats the panel path (its dequantizing and transposes) */
+#ifndef WIDE_MIN
+#define WIDE_MIN 2 /* rows of x from which the dot takes one weight row at a time (dot_group_wide) */
 #endif
+_Static_assert(DOT_MAX <= PASS_MAX && DOT_MAX == 9, "dot_group_any's cases run up to 9 rows of x in one call");
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.0f;  // vectorised by the compiler (-fassociative-math)
@@ -150,11 +153,88 @@ static inline __attribute__((always_inline)) void dot_group(const int type, cons
         for (int m = 0; m < M; m++) out[r][m] = vf_sum(M == 1 ? vf_add(acc[r][m][0], acc[r][m][1]) : acc[r][m][0]);
 }
 
+/* acc[m][i % C] += 32 weights v . x row m's 32 values at x (rows ldx apart), for M rows, C (1 or 2) chains
+ * a row. */
+static inline __attribute__((always_inline)) void dot_rows_wide(const int M, const int C, const vf v[32 / VW],
+                                                                const float *x, int64_t ldx, vf acc[DOT_MAX][2]) {
+    for (int i = 0; i < 32 / VW; i++)
+        for (int m = 0; m < M; m++) acc[m][i % C] = vf_fma(v[i], vf_load(x + m * ldx + VW * i), acc[m][i % C]);
+}
+
+/* Chains a row of x on the wide dot: two where the registers hold 2 M accumulators beside a block's vectors. */
+#define WIDE_CHAINS(M) (VW == 16 || (M) <= 5 ? 2 : 1)
+
+/* dot_group for WIDE_MIN..DOT_MAX rows of x: the GR weight rows one at a time within each chunk of QKC, so
+ * the registers hold all M rows' accumulators (beside the block being dequantized) and every block is
+ * dequantized once for all of them, interleaved with their FMAs (dot_group holds GR rows' accumulators
+ * for up to 3 rows of x and dequantizes again for every 3 more). The accumulators wait in sums between
+ * weight rows; a chunk of x's rows stays in L1 meanwhile. */
+static inline __attribute__((always_inline)) void dot_group_wide(const int type, const int M, const float *x,
+                                                                 int64_t ldx, const uint8_t *const p[GR],
+                                                                 int wtype, int64_t K, const uint8_t *pf,
+                                                                 int64_t pf_len, float out[GR][PASS_MAX]) {
+    const int C = WIDE_CHAINS(M);
+    vf sums[GR][DOT_MAX][2];
+    float buf[GR * QKC] __attribute__((aligned(32)));
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) sums[r][m][0] = sums[r][m][1] = vf_zero();
+    const int64_t chunks = (K + QKC - 1) / QKC;
+    const int64_t pf_step = (pf_len + chunks - 1) / chunks;
+    for (int64_t k0 = 0, c = 0; k0 < K; k0 += QKC, c++) {
+        const int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+        for (int64_t line = c * pf_step; line < (c + 1) * pf_step && line < pf_len; line += 64)
+            _mm_prefetch((const char *)(pf + line), _MM_HINT_T0);
+        if (!type)
+            for (int r = 0; r < GR; r++) dequant_span(wtype, p[r], k0, kc, buf + r * QKC);
+        for (int r = 0; r < GR; r++) {
+            vf acc[DOT_MAX][2];
+            for (int m = 0; m < M; m++)
+                for (int j = 0; j < C; j++) acc[m][j] = sums[r][m][j];
+            for (int64_t k = 0; k < kc; k += 32) {
+                vf v[32 / VW];
+                if (type) {
+                    deq32(type, p[r] + (k0 + k) / 32 * block_bytes(type), v);
+                } else {
+                    for (int i = 0; i < 32 / VW; i++) v[i] = vf_load(buf + r * QKC + k + VW * i);
+                }
+                dot_rows_wide(M, C, v, x + k0 + k, ldx, acc);
+            }
+            for (int m = 0; m < M; m++)
+                for (int j = 0; j < C; j++) sums[r][m][j] = acc[m][j];
+        }
+    }
+    for (int r = 0; r < GR; r++)
+        for (int m = 0; m < M; m++) out[r][m] = vf_sum(C == 2 ? vf_add(sums[r][m][0], sums[r][m][1]) : sums[r][m][0]);
+}
+
+#define WIDE_CASE(T, MM) dot_group_wide(T, MM, x, ldx, p, type, K, pf, pf_len, out)
+/* dot_group_wide for M rows of x (WIDE_MIN..DOT_MAX), weight type T */
+#define WIDE_ROWS(T)                                                                                        \
+    switch (M) { /* M >= WIDE_MIN */                                                                        \
+    case 2: WIDE_CASE(T, 2); break;                                                                         \
+    case 3: WIDE_CASE(T, 3); break;                                                                         \
+    case 4: WIDE_CASE(T, 4); break;                                                                         \
+    case 5: WIDE_CASE(T, 5); break;                                                                         \
+    case 6: WIDE_CASE(T, 6); break;                                                                         \
+    case 7: WIDE_CASE(T, 7); break;                                                                         \
+    case 8: WIDE_CASE(T, 8); break;                                                                         \
+    default: WIDE_CASE(T, 9); break;                                                                        \
+    }
 #define DOT_CASE(T, MM) dot_group(T, MM, x, ldx, p, type, K, pf, pf_len, out)
 static void dot_group_any(int type, int M, const float *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
                           const uint8_t *pf, int64_t pf_len, float out[GR][PASS_MAX]) {
+    if (M >= WIDE_MIN) {  // Q4_0 / Q4_1 / Q8_0 dequantized into registers, the other types a chunk at a time into buf
+        switch (type) {
+        case GT_Q4_0: WIDE_ROWS(GT_Q4_0); break;
+        case GT_Q4_1: WIDE_ROWS(GT_Q4_1); break;
+        case GT_Q8_0: WIDE_ROWS(GT_Q8_0); break;
+        default: WIDE_ROWS(0); break;
+        }
+        return;
+    }
+#define DOT_ROWS(T) (WIDE_MIN <= 2 || M == 1 ? DOT_CASE(T, 1) : M == 2 ? DOT_CASE(T, 2) : DOT_CASE(T, 3))
 #define DOT_TYPE(T)                                                                                         \
-    case T: M == 1 ? DOT_CASE(T, 1) : M == 2 ? DOT_CASE(T, 2) : DOT_CASE(T, 3); break;
+    case T: DOT_ROWS(T); break;
     switch (type) {  // every quantized type dequantized into registers; half and float rows through buf
     DOT_TYPE(GT_Q4_0)
     DOT_TYPE(GT_Q4_1)
@@ -166,9 +246,10 @@ static void dot_group_any(int type, int M, const float *x, int64_t ldx, const ui
     DOT_TYPE(GT_Q4_K)
     DOT_TYPE(GT_Q5_K)
     DOT_TYPE(GT_Q6_K)
-    default: M == 1 ? DOT_CASE(0, 1) : M == 2 ? DOT_CASE(0, 2) : DOT_CASE(0, 3); break;
+    default: DOT_ROWS(0); break;
     }
 #undef DOT_TYPE
+#undef DOT_ROWS
 }
 
 static void dot_group_fn(int type, int M, const void *x, int64_t ldx, const uint8_t *const p[GR], int64_t K,
@@ -180,7 +261,7 @@ static void dot_group_fn(int type, int M, const void *x, int64_t ldx, const uint
 static void linear_stored_dot_avx2_work(const float *x, int64_t ldx, const uint8_t *w, int type, int64_t row_bytes,
                                         const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
                                         int64_t K) {
-    dot_tasks_work(dot_group_fn, 3, x, ldx, sizeof(float), w, type, row_bytes, bias, y, ldy, M, N, K);
+    dot_tasks_work(dot_group_fn, DOT_MAX, x, ldx, sizeof(float), w, type, row_bytes, bias, y, ldy, M, N, K);
 }
 
 /* dst [8][ldd] = src [8][lds] transposed. */

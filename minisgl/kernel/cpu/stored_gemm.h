@@ -6,7 +6,7 @@
 #include "simd.h"
 
 #define GR 4       /* weight rows per task on the dot paths */
-#define PASS_MAX 6 /* rows of x a call of a group_fn at most */
+#define PASS_MAX 9 /* rows of x a call of a group_fn at most */
 #define MB_DOT 128 /* rows of x a block of the dot paths */
 
 /* out[r][m] = weight row p[r] (r < GR, K elements of GGML type `type`) dotted with row m < M of x (rows ld
