@@ -150,15 +150,18 @@ def greedy_body(max_tokens: int) -> dict:
 
 def test_the_page_streams_the_reply_the_api_gives_for_the_same_greedy_request(service, page):
     assert page.page.locator("#model").inner_text() == "tiny"  # read from /v1/models
-    page.settings(system=SYSTEM, temperature="0", top_p="1", max_tokens="40")
+    # long enough that the handler cannot fall behind for the whole reply (a handler that falls behind
+    # gets the pieces that waited joined into one: on a loaded machine a short reply may arrive whole)
+    page.settings(system=SYSTEM, temperature="0", top_p="1", max_tokens="400")
     page.ask(QUESTION)
     got = page.reply()
-    text, pieces = api_reply(service.url, greedy_body(40))
+    text, pieces = api_reply(service.url, greedy_body(400))
     assert pieces > 1, "the reference reply is one piece: the test would not see a stream"
     assert got["raw"] == text
     # shown piece by piece as the stream arrived (the server may join pieces that wait for the same write)
     assert 1 < int(got["chunks"]) <= pieces
     # a second turn carries the first: the page sends the whole conversation
+    page.settings(max_tokens="40")
     page.ask("And the mountains?")
     second = page.reply()
     body = greedy_body(40)
