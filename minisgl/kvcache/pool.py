@@ -22,8 +22,12 @@ class KVPool:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_slots = num_pages * page_size
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        # A slot is written before any step reads it, so the pool needs no zeros. On a CPU, zeroing touches
+        # every page of a pool of GiBs at start (seconds of page faults); a fresh allocation's untouched pages
+        # cost nothing until used. A GPU zeroes its pool in milliseconds, and graph-padded rows read slots.
+        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        self.k_buffer = alloc(shape, dtype=dtype, device=device)
+        self.v_buffer = alloc(shape, dtype=dtype, device=device)
 
     def k(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
