@@ -475,3 +475,75 @@ def test_the_attention_ratio_is_the_weights_work_over_one_context_tokens_attenti
     )
     weights = 30 * (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536)
     assert attention_ratio(m) == pytest.approx(weights / (30 * 2 * 576 * ATTENTION_SLOWDOWN))
+
+
+def _brute_evict(cache, num_pages: int) -> list[int]:
+    """Least-recently-used eviction by hand: each time, every unlocked leaf of the whole tree is looked at
+    and the one touched longest ago goes (its parent may become such a leaf)."""
+    ps, freed = cache.page_size, []
+    while len(freed) < num_pages:
+        nodes, stack = [], [cache.root]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        leaves = [n for n in nodes if not n.children and n.ref == 0 and n is not cache.root]
+        if not leaves:
+            break
+        victim = min(leaves, key=lambda n: n.last_access)
+        freed.extend((victim.value[::ps] // ps).tolist())
+        del victim.parent.children[tuple(victim.key[:ps])]
+    return freed
+
+
+@pytest.mark.parametrize(("page_size", "heap_slack"), [(1, 64), (4, 64), (1, -400)])
+def test_radix_eviction_takes_the_least_recently_used_unlocked_leaves_as_a_full_scan_does(
+    page_size, heap_slack
+):
+    """Seeded random inserts (sharing prefixes), matches, locks, unlocks and evictions: every eviction frees
+    the pages that a scan of the whole tree picks, in a copy of the cache taken just before it, and the
+    cached and evictable counts equal a hand count of the tree. A negative slack rebuilds the cache's heap
+    of eviction candidates at almost every entry."""
+    import copy
+
+    from minisgl.kvcache.radix import RadixPrefixCache
+
+    rng = random.Random(page_size)
+    cache, ps = RadixPrefixCache(page_size), page_size
+    cache.heap_slack = heap_slack
+    next_page, held, evictions = 0, [], 0
+    stems = [[rng.randrange(6) for _ in range(ps * rng.randint(1, 4))] for _ in range(4)]
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.45:
+            tokens = rng.choice(stems) + [rng.randrange(6) for _ in range(ps * rng.randint(0, 5))]
+            tokens = tokens[: len(tokens) // ps * ps]
+            pages = list(range(next_page, next_page + len(tokens) // ps))
+            next_page += len(pages)
+            slots = torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.int32)
+            handle, _ = cache.insert(tokens, slots)
+            if rng.random() < 0.3:
+                cache.lock(handle)
+                held.append(handle)
+        elif op < 0.6:
+            tokens = rng.choice(stems) + [rng.randrange(6) for _ in range(ps * rng.randint(0, 3))]
+            result = cache.match_prefix(tokens)  # touches the path, locked or not
+            if rng.random() < 0.5:
+                cache.lock(result.handle)
+                held.append(result.handle)
+        elif op < 0.8 and held:
+            cache.unlock(held.pop(rng.randrange(len(held))))
+        else:
+            n = rng.randint(1, 12)
+            expected = _brute_evict(copy.deepcopy(cache), n)
+            assert cache.evict(n) == expected
+            evictions += len(expected) > 0
+        nodes, stack = [], [cache.root]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        tokens_cached = sum(len(n.key) for n in nodes)
+        tokens_free = sum(len(n.key) for n in nodes if n.ref == 0 and n is not cache.root)
+        assert (cache.cached_pages, cache.evictable_pages) == (tokens_cached // ps, tokens_free // ps)
+    assert evictions > 20  # the walk did evict, often

@@ -2,7 +2,13 @@
 
 Edges are page-aligned (every key is a multiple of page_size long), so a shared prefix is always whole
 pages. Requests lock the node at the end of the prefix they use; locks count up the path to the root.
-Unlocked leaves are evicted least-recently-used first when the pool runs short."""
+Unlocked leaves are evicted least-recently-used first when the pool runs short.
+
+Eviction never walks the tree: a heap holds an entry for every node that became an unlocked leaf (when it
+was inserted, unlocked, or lost its last child), keyed by its last access then. An entry is checked when it
+comes up: a node evicted since, or locked or given a child, is skipped (it gets a new entry when it is an
+unlocked leaf again); one touched since goes back in under its new time. Every unlocked leaf thus has an
+entry no later than its last access, so the first valid entry is the least recently used leaf."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ _clock = itertools.count()
 
 class RadixNode:
     __slots__ = ("children", "key", "last_access", "parent", "ref", "value")
+    # parent: None for the root and for an evicted node
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: RadixNode | None) -> None:
         self.key = key  # tokens on the edge from the parent
@@ -40,12 +47,17 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixPrefixCache(BasePrefixCache):
+    heap_slack = 64  # entries beyond 4 per node before the heap is rebuilt from the tree
+
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
         self.root = RadixNode([], torch.empty(0, dtype=torch.int32), None)
         self.root.ref = 1  # never evicted
         self._cached_tokens = 0
         self._evictable_tokens = 0
+        self._num_nodes = 1
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last access, tiebreak, node), see above
+        self._tiebreak = itertools.count()
 
     # ---- lookup and insert -----------------------------------------------------------------------
     def _walk(self, tokens: list[int], split: bool) -> tuple[RadixNode, int, list[torch.Tensor]]:
@@ -74,6 +86,7 @@ class RadixPrefixCache(BasePrefixCache):
         """Cut node's edge at `at`: a new parent holds the first part; returns that parent."""
         parent = node.parent
         mid = RadixNode(node.key[:at], node.value[:at], parent)
+        self._num_nodes += 1
         mid.ref = node.ref
         mid.last_access = node.last_access
         parent.children[tuple(node.key[: self.page_size])] = mid
@@ -92,8 +105,10 @@ class RadixPrefixCache(BasePrefixCache):
         if pos < len(token_ids):
             leaf = RadixNode(list(token_ids[pos:]), slots[pos:].clone(), node)
             node.children[tuple(leaf.key[: self.page_size])] = leaf
+            self._num_nodes += 1
             self._cached_tokens += len(leaf.key)
             self._evictable_tokens += len(leaf.key)  # unlocked until someone locks it
+            self._push(leaf)
             parts.append(leaf.value)
             node = leaf
         held = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
@@ -115,6 +130,8 @@ class RadixPrefixCache(BasePrefixCache):
             node.ref -= 1
             if node.ref == 0:
                 self._evictable_tokens += len(node.key)
+                if node.is_leaf():
+                    self._push(node)
             node = node.parent
 
     # ---- eviction --------------------------------------------------------------------------------
@@ -126,24 +143,37 @@ class RadixPrefixCache(BasePrefixCache):
             stack.extend(node.children.values())
         return out
 
+    def _push(self, node: RadixNode) -> None:
+        """An entry for `node`, now an unlocked leaf (the heap is rebuilt once stale entries outnumber the
+        nodes several times over, so it stays within a few entries per node)."""
+        if len(self._heap) > 4 * self._num_nodes + self.heap_slack:
+            self._heap = [
+                (n.last_access, next(self._tiebreak), n)
+                for n in self._nodes()
+                if n.is_leaf() and n.ref == 0 and n is not self.root
+            ]
+            heapq.heapify(self._heap)
+        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+
     def evict(self, num_pages: int) -> list[int]:
         ps = self.page_size
-        heap = [
-            (n.last_access, id(n), n)
-            for n in self._nodes()
-            if n.is_leaf() and n.ref == 0 and n is not self.root
-        ]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while self._heap and len(freed) < num_pages:
+            when, _, node = heapq.heappop(self._heap)
+            if node.parent is None or node.ref or node.children:
+                continue  # evicted, locked or a parent since its entry: skipped
+            if when != node.last_access:  # touched since: back in under its new time
+                heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+                continue
             freed.extend((node.value[::ps] // ps).tolist())
             parent = node.parent
             del parent.children[tuple(node.key[:ps])]
+            node.parent = None
+            self._num_nodes -= 1
             self._cached_tokens -= len(node.key)
             self._evictable_tokens -= len(node.key)
             if parent is not self.root and parent.is_leaf() and parent.ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                self._push(parent)
         return freed
 
     @property
