@@ -65,6 +65,46 @@ def test_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, lens,
 
 
 @needs_kernels
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
+# (page-table row, first length, rows) per request: a verify step's rows of one request attend their keys
+# together; a run of 12 rows of 8 query heads of 128 is cut in two (at most 8192 query floats a run); the
+# rows of (1, 70, 3) then (1, 40, 3) are two runs of one page-table row, not one of 6 rows
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0, 300, 4)],
+        [(2, 5, 9)],
+        [(3, 31, 3), (0, 1, 1), (1, 700, 5), (2, 64, 2)],
+        [(1, 70, 3), (1, 40, 3), (1, 43, 1)],
+        [(3, 90, 12)],
+    ],
+)
+@pytest.mark.parametrize("window", [0, 50])  # 50: some runs' rows start at different keys, so not one run
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verify_rows_decode_attention_matches_naive(num_heads, num_kv_heads, head_dim, runs, window, threads):
+    g = torch.Generator().manual_seed(head_dim + 7 * len(runs) + window)
+    max_len = max(n + r for _, n, r in runs)
+    k_cache = torch.randn(3000, num_kv_heads, head_dim, generator=g) * 2
+    v_cache = torch.randn(3000, num_kv_heads, head_dim, generator=g)
+    page_table = torch.randperm(3000, generator=g)[: 4 * max_len].int().reshape(4, max_len)
+    rows, lens = [], []
+    for row, n, r in runs:
+        rows += [row] * r
+        lens += list(range(n, n + r))
+    q = torch.randn(len(rows), num_heads, head_dim, generator=g)
+    rows_t, lens_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.decode_attention(q, k_cache, v_cache, page_table, rows_t, lens_t, 0.2, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = _naive_decode_attention(q, k_cache, v_cache, page_table, rows, lens, 0.2, window)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [24, 128])
 @pytest.mark.parametrize("window", [1, 6, 50, 299])  # 299: the 300-key request's keys but its first
 @pytest.mark.parametrize("lens", [[33, 1, 100, 64, 5], [1, 700], [300]])

@@ -425,9 +425,15 @@ def test_a_lone_surrogate_in_a_top_level_key_is_a_400_that_echoes_it_safely(serv
 # ---- a graceful stop --------------------------------------------------------------------------------------
 def test_sigterm_refuses_new_requests_lets_running_ones_finish_ends_the_rest_properly_and_exits_0(tmp_path):
     model = _tiny_model_with_a_real_tokenizer(str(tmp_path / "tiny"))
+    # room for a request that cannot finish within the timeout on any machine (2,000 tokens of this tiny
+    # model took under 4 s on a fast one)
+    config = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    config["max_position_embeddings"] = 100000
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(config))
     args = ["--model", model, *ARGS, "--shutdown-timeout", "3"]
+    args += ["--max-seq-len-override", "100000", "--num-pages", "100000"]
     with serving(args, tmp_path / "server.log") as s:
-        long = Stream(s.url, max_tokens=2000, once=True)  # cannot finish within the timeout
+        long = Stream(s.url, max_tokens=90000, once=True)
         short: dict = {}
         body = {"prompt": "hi", "max_tokens": 30, "ignore_eos": True}
         t = threading.Thread(target=lambda: short.update(r=post(s, "/v1/completions", body)))

@@ -1,7 +1,7 @@
 /* Decode attention: one query token per request, attending over the request's keys through the token-level
  * page table (position -> KV slot), with no gather into a padded copy. Each OpenMP task is one (request, KV
- * head): it reads every K/V row of that head once, for all the query heads of its GQA group, with an online
- * softmax over chunks of positions. Entry point: decode_attention_f32; decode_attention_work (ops.h) is the
+ * head): it reads every K/V row of that head once, for all the query heads of its GQA group (and for all the
+ * rows of a verify step's request), with an online softmax over chunks of positions. Entry point: decode_attention_f32; decode_attention_work (ops.h) is the
  * same for the threads of the decode step's parallel region. */
 #include "ops.h"
 
@@ -153,53 +153,85 @@ static void attend_group(const float *q, const float *k, const float *v, int64_t
     attend_group_scalar(q, k, v, slot_stride, slots, len, G, D, scale, m, l, acc);
 }
 
-#define SPLIT_MIN 64 /* keys per split at least */
+#define SPLIT_MIN 64    /* keys per split at least */
+#define RUN_FLOATS 8192 /* a run's queries at most, in floats (they and their accumulators are on the stack) */
 
-/* ops.h says what decode_attention_work computes. */
+/* Where the runs of rows begin (start[u], and start[nruns] = B); returns nruns. A run: consecutive rows of
+ * one request that attend the same keys plus one more each (a verify step's rows: the same page-table row,
+ * lens one apart, no window cutting their first keys apart), at most rmax rows. */
+static int find_runs(const int64_t *rows, const int64_t *lens, int B, int rmax, int64_t window, int *start) {
+    int n = 0;
+    for (int b = 0; b < B; n++) {
+        start[n] = b++;
+        while (b < B && b - start[n] < rmax && rows[b] == rows[b - 1] && lens[b] == lens[b - 1] + 1 &&
+               (window <= 0 || lens[b] <= window))
+            b++;
+    }
+    start[n] = B;
+    return n;
+}
+
+/* ops.h says what decode_attention_work computes. The tasks are (run, KV head, split): a run's R rows
+ * attend their common keys together, as R G query heads of the one KV head, so each K/V row is read once
+ * for all of them; each row then attends its own last keys alone. The common part ends at a multiple of
+ * CHUNK keys from the first, so every row's keys fall in the chunks they would fall in attending alone. */
 void decode_attention_work(const float *q, int64_t q_stride, const float *k, const float *v,
                            const int32_t *page_table, int64_t table_stride, const int64_t *rows,
                            const int64_t *lens, float *out, int B, int Hq, int Hkv, int D, float scale,
                            int64_t window) {
     const int G = Hq / Hkv, nt = omp_get_num_threads();
     const int64_t slot_stride = (int64_t)Hkv * D;
+    int start[B + 1];
+    const int rmax = RUN_FLOATS / (G * D) > 1 ? RUN_FLOATS / (G * D) : 1;
+    const int U = find_runs(rows, lens, B, rmax, window, start);  // every thread finds the same runs
 #define FIRST_KEY(b) (window > 0 && lens[b] > window ? lens[b] - window : 0)
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = lens[b] - FIRST_KEY(b) > longest ? lens[b] - FIRST_KEY(b) : longest;
-    int S = B * Hkv < 2 * nt ? (2 * nt + B * Hkv - 1) / (B * Hkv) : 1;
+    int S = U * Hkv < 2 * nt ? (2 * nt + U * Hkv - 1) / (U * Hkv) : 1;
     if (S > longest / SPLIT_MIN) S = longest / SPLIT_MIN > 1 ? (int)(longest / SPLIT_MIN) : 1;
-    if (S == 1) {
-#pragma omp for collapse(2) schedule(dynamic)
-        for (int b = 0; b < B; b++) {
-            for (int h = 0; h < Hkv; h++) {
-                float m[G], l[G], acc[G * D];
-                int64_t o_off = ((int64_t)b * Hq + (int64_t)h * G) * D;
-                const int64_t first = FIRST_KEY(b);
-                online_softmax_init(m, l, acc, G, D);
-                attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
-                             slot_stride, page_table + rows[b] * table_stride + first, lens[b] - first, G, D,
-                             scale, m, l, acc);
-                online_softmax_finish(acc, l, G, D, out + o_off);
-            }
-        }
-        return;
-    }
-    float *part = 0;  // per (request, head, split): m [G], l [G], acc [G, D]
+    float *part = 0;  // with splits: per (row, head, split): m [G], l [G], acc [G, D]
     const int64_t W = (int64_t)G * (D + 2);
+    if (S > 1) {
 #pragma omp single copyprivate(part)
-    part = (float *)malloc(sizeof(float) * B * Hkv * S * W);
+        part = (float *)malloc(sizeof(float) * B * Hkv * S * W);
+    }
 #pragma omp for collapse(3) schedule(dynamic)
-    for (int b = 0; b < B; b++)
+    for (int u = 0; u < U; u++)
         for (int h = 0; h < Hkv; h++)
             for (int sp = 0; sp < S; sp++) {
-                float *pm = part + (((int64_t)b * Hkv + h) * S + sp) * W, *pl = pm + G, *pa = pl + G;
-                const int64_t first = FIRST_KEY(b), n = lens[b] - first;
-                int64_t per = (n + S - 1) / S, lo = first + sp * per, hi = lo + per < lens[b] ? lo + per : lens[b];
-                online_softmax_init(pm, pl, pa, G, D);
-                if (lo < hi)
-                    attend_group(q + b * q_stride + (int64_t)h * G * D, k + (int64_t)h * D, v + (int64_t)h * D,
-                                 slot_stride, page_table + rows[b] * table_stride + lo, hi - lo, G, D, scale, pm,
-                                 pl, pa);
+                const int b0 = start[u], R = start[u + 1] - b0, GR = G * R;
+                float qr[R > 1 ? GR * D : 1], m[GR], l[GR], acc[GR * D];
+                const float *qs = q + b0 * q_stride + (int64_t)h * G * D;  // the run's queries, side by side
+                if (R > 1) {
+                    for (int r = 0; r < R; r++) memcpy(qr + r * G * D, qs + r * q_stride, sizeof(float) * G * D);
+                    qs = qr;
+                }
+                const int32_t *slots = page_table + rows[b0] * table_stride;
+                const float *kh = k + (int64_t)h * D, *vh = v + (int64_t)h * D;
+                const int64_t first = FIRST_KEY(b0);
+                const int64_t common = R > 1 ? first + (lens[b0] - first) / CHUNK * CHUNK : lens[b0];
+                const int64_t per = (common - first + S - 1) / S, lo = first + sp * per;
+                const int64_t hi = lo + per < common ? lo + per : common;
+                online_softmax_init(m, l, acc, GR, D);
+                if (lo < hi) attend_group(qs, kh, vh, slot_stride, slots + lo, hi - lo, GR, D, scale, m, l, acc);
+                if (sp == S - 1)  // each row's own last keys (all of them past the common part)
+                    for (int r = 0; r < R; r++)
+                        if (lens[b0 + r] > common)
+                            attend_group(qs + r * G * D, kh, vh, slot_stride, slots + common, lens[b0 + r] - common,
+                                         G, D, scale, m + r * G, l + r * G, acc + r * G * D);
+                for (int r = 0; r < R; r++) {
+                    const int64_t b = b0 + r;
+                    if (S == 1) {
+                        online_softmax_finish(acc + r * G * D, l + r * G, G, D, out + (b * Hq + (int64_t)h * G) * D);
+                        continue;
+                    }
+                    float *pm = part + ((b * Hkv + h) * S + sp) * W;
+                    memcpy(pm, m + r * G, sizeof(float) * G);
+                    memcpy(pm + G, l + r * G, sizeof(float) * G);
+                    memcpy(pm + 2 * G, acc + r * G * D, sizeof(float) * G * D);
+                }
             }
+    if (S == 1) return;
 #pragma omp for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int h = 0; h < Hkv; h++)
