@@ -477,16 +477,22 @@ def test_the_attention_ratio_is_the_weights_work_over_one_context_tokens_attenti
     assert attention_ratio(m) == pytest.approx(weights / (30 * 2 * 576 * ATTENTION_SLOWDOWN))
 
 
+def _tree_nodes(cache) -> list:
+    """Every node of a radix cache's tree, root included, by a walk from the root."""
+    nodes, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
 def _brute_evict(cache, num_pages: int) -> list[int]:
     """Least-recently-used eviction by hand: each time, every unlocked leaf of the whole tree is looked at
     and the one touched longest ago goes (its parent may become such a leaf)."""
     ps, freed = cache.page_size, []
     while len(freed) < num_pages:
-        nodes, stack = [], [cache.root]
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
+        nodes = _tree_nodes(cache)
         leaves = [n for n in nodes if not n.children and n.ref == 0 and n is not cache.root]
         if not leaves:
             break
@@ -538,11 +544,7 @@ def test_radix_eviction_takes_the_least_recently_used_unlocked_leaves_as_a_full_
             expected = _brute_evict(copy.deepcopy(cache), n)
             assert cache.evict(n) == expected
             evictions += len(expected) > 0
-        nodes, stack = [], [cache.root]
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
+        nodes = _tree_nodes(cache)
         tokens_cached = sum(len(n.key) for n in nodes)
         tokens_free = sum(len(n.key) for n in nodes if n.ref == 0 and n is not cache.root)
         assert (cache.cached_pages, cache.evictable_pages) == (tokens_cached // ps, tokens_free // ps)

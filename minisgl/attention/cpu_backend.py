@@ -16,7 +16,7 @@ import torch
 from minisgl import kernel
 from minisgl.kernel import cpu as cpu_kernels
 
-from .torch_backend import TorchAttnBackend
+from .base import BaseAttnBackend
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -28,7 +28,7 @@ class CpuDecodeMetadata:
     lens: torch.Tensor  # [T] int64 keys the token attends (its position + 1)
 
 
-class CpuAttnBackend(TorchAttnBackend):
+class CpuAttnBackend(BaseAttnBackend):
     sliding_window = True
     # the C decode kernel reads float32 K/V only (half-precision K/V are stored exactly, upcast)
     supports_fp8_kv = False

@@ -1,7 +1,8 @@
-/* Decode attention: one query token per request, attending over the request's keys through the token-level
- * page table (position -> KV slot), with no gather into a padded copy. Each OpenMP task is one (request, KV
- * head): it reads every K/V row of that head once, for all the query heads of its GQA group (and for all the
- * rows of a verify step's request), with an online softmax over chunks of positions. Entry point: decode_attention_f32; decode_attention_work (ops.h) is the
+/* Paged attention: each query row attends over its request's keys through the token-level page table
+ * (position -> KV slot), with no gather into a padded copy: decode rows, a verify step's rows, a prefill's
+ * rows. Each OpenMP task is one (request, KV head): it reads every K/V row of that head once, for all the
+ * query heads of its GQA group (and for the consecutive rows of one request together), with an online
+ * softmax over chunks of positions. Entry point: decode_attention_f32; decode_attention_work (ops.h) is the
  * same for the threads of the decode step's parallel region. */
 #include "ops.h"
 
@@ -181,7 +182,7 @@ void decode_attention_work(const float *q, int64_t q_stride, const float *k, con
                            int64_t window) {
     const int G = Hq / Hkv, nt = omp_get_num_threads();
     const int64_t slot_stride = (int64_t)Hkv * D;
-    int start[B + 1];
+    int *start = (int *)malloc(sizeof(int) * (B + 1));  // each thread's own (a prefill has many rows)
     const int rmax = RUN_FLOATS / (G * D) > 1 ? RUN_FLOATS / (G * D) : 1;
     const int U = find_runs(rows, lens, B, rmax, window, start);  // every thread finds the same runs
 #define FIRST_KEY(b) (window > 0 && lens[b] > window ? lens[b] - window : 0)
@@ -231,6 +232,7 @@ void decode_attention_work(const float *q, int64_t q_stride, const float *k, con
                     memcpy(pm + 2 * G, acc + r * G * D, sizeof(float) * G * D);
                 }
             }
+    free(start);
     if (S == 1) return;
 #pragma omp for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)

@@ -13,8 +13,8 @@
  * number of keys (all positions up to and including the query's), of which a layer with a sliding window
  * (window > 0) attends the last `window`. Query head h reads KV head h / (Hq / Hkv).
  * For the threads of an enclosing parallel region. One task per (request, KV head), where consecutive rows of
- * one request (a verify step's: the same page-table row, lens one apart) count as one request whose keys
- * are read once for all its rows; where there are fewer than two tasks a thread (a lone request), each
+ * one request (a verify step's or a prefill's: the same page-table row, lens one apart) count as one
+ * request whose keys are read once for all its rows; where there are fewer than two tasks a thread (a lone request), each
  * task's keys are cut into splits whose softmax states are merged after: with 3 KV heads on 2 threads one
  * thread would otherwise attend twice as long. */
 HIDDEN void decode_attention_work(const float *q, int64_t q_stride, const float *k, const float *v,
