@@ -4,6 +4,7 @@ python -m minisgl.benchmark.profile_step --model qwen3-0.6b --batch 256 --contex
 python -m minisgl.benchmark.profile_step --batch 256 --min-context 400 --context 1400   # a spread of lengths
 python -m minisgl.benchmark.profile_step --model PATH --batch 256 --constrained  # every row under a schema
 python -m minisgl.benchmark.profile_step --batch 1,256 --context 600 --kernel-table [--json PATH]
+python -m minisgl.benchmark.profile_step --context 600 --step-trace   # the one-kernel step's stages
 Prints the wall time per step, the CPU time of scheduling / result processing, and the top device kernels
 (torch.profiler) for a few steps. --kernel-table instead prints, per batch size, a Markdown table of the
 step's kernels by op against the bytes each must move at the copy bandwidth (benchmark/kernel_table.py)."""
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: per op, the kernels' time against the bytes they must move at the copy bandwidth",
     )
     ap.add_argument("--json", metavar="PATH", default=None, help="--kernel-table: also write the tables here")
+    ap.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="batch 1 with the one-kernel decode step (MINISGL_DECODE_STEP=1): where each stage of a layer "
+        "waits, from the kernel's own clock readings",
+    )
     # by default bf16 random weights of qwen3-0.6b's shapes
     defaults = {
         "model_path": "qwen3-0.6b",
@@ -87,6 +94,8 @@ def _sizes(text: str) -> list[int]:
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
+    if args.step_trace:
+        return step_trace(args)
     if args.kernel_table:
         if args.prefill or args.timeline or args.constrained:
             ap.error(
@@ -277,6 +286,63 @@ def timeline(args: argparse.Namespace) -> None:
 # ---- --kernel-table -------------------------------------------------------------------------------------
 PROFILE_STEPS = 5  # decode steps a kernel table averages over
 _WINDOW = "kernel_table batch "  # the profiler's host range around a batch size's profiled steps
+
+
+STAGE_NAMES = ("qkv", "attention", "o", "gate_up", "down")
+
+
+def step_trace(args: argparse.Namespace) -> None:
+    """--step-trace: the steady decode state of one request at --context keys through the one-kernel
+    decode step, its blocks' clock readings over --steps steps: per stage of a layer the median and the
+    90th percentile over blocks, layers and steps of each phase, in microseconds at the clock the trace's
+    own (clock64, globaltimer) pairs give."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--step-trace needs a GPU: torch.cuda.is_available() is False here")
+    from minisgl.kernel import step_kernel
+
+    os.environ["MINISGL_DECODE_STEP"] = "1"
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not step_kernel.buildable(device):
+        raise SystemExit(
+            "--step-trace: the one-kernel decode step does not build here (needs sm_90 and nvcc)"
+        )
+    step_kernel.trace(device)  # before the engine captures its graphs
+    llm = _make_llm(args, max_running_req=1)
+    s = llm.scheduler
+    layers = s.engine.model_config.num_layers
+    random.seed(0)
+    _steady_decode(s, 1, args.context, args.context, WARM_STEPS + args.steps + 4)
+    rows, spans = [], []
+    for _ in range(args.steps):
+        s.step()
+        synchronize(s.device)
+        stages, tail = step_kernel.trace_view(layers)
+        rows.append(stages.double())
+        spans.append(tail.double())
+    _drain(s)
+    stages, tail = torch.stack(rows), torch.stack(spans)  # [steps, blocks, layers, 5, 5], [steps, blocks, 4]
+    per_ns = ((tail[..., 2] - tail[..., 0]) / (tail[..., 3] - tail[..., 1])).median().item()
+    kernel_us = ((tail[..., 3].amax(-1) - tail[..., 1].amin(-1)) / 1e3).median().item()
+    print(
+        f"one-kernel decode step, batch 1, {args.context} keys, {layers} layers, {stages.shape[1]} blocks: "
+        f"kernel {kernel_us:.1f} us (median of {args.steps} steps, globaltimer), SM clock {per_ns:.2f} GHz"
+    )
+    phases = ("issue", "inputs", "weights", "compute")
+    print("| stage | " + " | ".join(f"{p} p50 / p90 us" for p in phases) + " | stage p50 us |")
+    print("| --- | " + " | ".join("---" for _ in phases) + " | --- |")
+    for i, name in enumerate(STAGE_NAMES):
+        st = stages[:, :, :, i, :]
+        valid = (st > 0).all(-1)  # blocks without attention work record no q / split points
+        cells = []
+        for p in range(4):
+            d = ((st[..., p + 1] - st[..., p]) / per_ns / 1e3)[valid]
+            cells.append(f"{d.median().item():.2f} / {d.quantile(0.9).item():.2f}" if d.numel() else "-")
+        total = ((st[..., 4] - st[..., 0]) / per_ns / 1e3)[valid]
+        print(f"| {name} | " + " | ".join(cells) + f" | {total.median().item():.2f} |")
+    layer = (stages[:, :, 1:, 0, 0] - stages[:, :, :-1, 0, 0]) / per_ns / 1e3
+    print(
+        f"a layer, start to start: p50 {layer.median().item():.2f} us, p90 {layer.quantile(0.9).item():.2f} us"
+    )
 
 
 def kernel_tables(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """The decode step of one request as one persistent CUDA kernel (kernel/cuda/decode_step.cu): every dense
-decoder layer from the embedding row to the last layer's (MLP output, residual), the blocks waiting for
-each other at counters instead of at kernel boundaries, each streaming its next weights into shared
-memory while it waits.
+decoder layer from the embedding row to the last layer's (MLP output, residual), each block spinning on
+the tagged words of the stage before instead of waiting at kernel boundaries, and streaming its next
+weights into shared memory meanwhile.
 
 The kernel is built with nvcc once per machine (into MINISGL_CACHE_DIR) and called through ctypes on
 torch's current stream, so CUDA graphs capture it as one node. Its argument block is a row of int64 in
@@ -42,12 +42,13 @@ _FIELDS = (
     "rot_half",
     "splits",
     "x_in",
-    "h",
     "h2",
     "y",
-    "qkv",
-    "attn",
-    "act",
+    "w_qkv",
+    "w_attn",
+    "w_h2",
+    "w_act",
+    "w_y",
     "part_o",
     "part_lse",
     "k_cache",
@@ -66,13 +67,17 @@ _FIELDS = (
     "stride_cs",
     "counters",
     "ring_bytes",
-    "vec_floats",
+    "vec_elems",
     "scratch_floats",
+    "trace",
 )
 _LAYER_FIELDS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _THREADS_WARPS = 16  # NW in the kernel: 512 threads
 _MAX_GROUP = 8
+_MAX_SPLITS = 16
+_STATIC_SMEM = 1024  # the kernel's static shared memory (its mbarriers) fits in this, beside the dynamic part
+_TRACE_POINTS = 25  # clock readings a layer: 5 stages x (start, weights issued, inputs in, weights in, done)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -91,6 +96,8 @@ def _build() -> str | None:
         logger.info("No nvcc: the one-kernel decode step is off")
         return None
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
+    # measurement variants (decode_step.cu's STEP_* macros), e.g. MINISGL_DECODE_STEP_DEFINES="-DSTEP_GATE=1"
+    flags += os.environ.get("MINISGL_DECODE_STEP_DEFINES", "").split()
     with open(_SOURCE, "rb") as f:
         source = f.read()
     key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
@@ -136,9 +143,10 @@ def _load() -> ctypes.CDLL | None:
     fields = lib.minisgl_step_fields().decode().rstrip(",").split(",")
     assert tuple(fields) == tuple(_FIELDS), f"decode_step.cu's fields {fields} differ from {_FIELDS}"
     assert lib.minisgl_step_max_group() == _MAX_GROUP and lib.minisgl_step_threads() == 32 * _THREADS_WARPS
+    assert lib.minisgl_step_max_splits() == _MAX_SPLITS and lib.minisgl_step_trace_points() == _TRACE_POINTS
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-    err = lib.minisgl_step_prepare(limit)
+    err = lib.minisgl_step_prepare(limit - _STATIC_SMEM)
     if err:
         logger.warning(
             "The decode-step kernel does not load (%s): the layers run as before", lib.minisgl_step_error(err)
@@ -201,12 +209,17 @@ def step_weights(
 
 
 class _Buffers(NamedTuple):
-    h: torch.Tensor
+    """The plain outputs (h2, y: what decode_step returns), the stages' tagged words (w_*: a bf16 value and
+    a 16-bit tag in an int32, a float32 value and a 32-bit tag in an int64), the attention splits' tagged
+    float32 words and the counters (the tags' base, the blocks out)."""
+
     h2: torch.Tensor
     y: torch.Tensor
-    qkv: torch.Tensor
-    attn: torch.Tensor
-    act: torch.Tensor
+    w_qkv: torch.Tensor
+    w_attn: torch.Tensor
+    w_h2: torch.Tensor
+    w_act: torch.Tensor
+    w_y: torch.Tensor
     part_o: torch.Tensor
     part_lse: torch.Tensor
     counters: torch.Tensor
@@ -214,44 +227,85 @@ class _Buffers(NamedTuple):
 
 _BUFFERS: dict[tuple, _Buffers] = {}
 
+# set by trace(): a kept int64 tensor that every later launch fills with its blocks' clock readings
+# (benchmark/profile_step.py --step-trace); read it with trace_view()
+_TRACE: torch.Tensor | None = None
+_TRACE_MAX_LAYERS = 256
+_last_grid = 0  # blocks of the last launch made (the trace's layout)
+
 
 def _buffers(sw: StepWeights, splits: int) -> _Buffers:
-    """The step's scratch, once per model shape: kept, so CUDA graphs replay on the same addresses; the
-    counters start at zero and the kernel leaves them at zero."""
+    """The step's scratch, once per model shape: kept, so CUDA graphs replay on the same addresses. The
+    words start at zero, a tag no launch waits for; the counters start at zero and the kernel advances the
+    tags' base by the layer count each launch."""
     lw = sw.layers[0]
     dev, dtype = lw.qkv.device, lw.qkv.dtype
     hidden, inter, n_qkv = lw.qkv.shape[1], lw.down.shape[1], lw.qkv.shape[0]
     key = (dev, dtype, hidden, inter, n_qkv, sw.heads, sw.kv_heads, sw.head_dim, splits)
     if key not in _BUFFERS:
+        word = torch.int32 if dtype == torch.bfloat16 else torch.int64
 
         def row(n: int) -> torch.Tensor:
-            return torch.empty((1, n), dtype=dtype, device=dev)
+            return torch.zeros((1, n), dtype=dtype, device=dev)
+
+        def words(n: int, dt: torch.dtype = word) -> torch.Tensor:
+            return torch.zeros(n, dtype=dt, device=dev)
 
         _BUFFERS[key] = _Buffers(
             row(hidden),
             row(hidden),
-            row(hidden),
-            row(n_qkv),
-            row(sw.heads * sw.head_dim),
-            row(inter),
-            torch.empty(sw.heads * splits * sw.head_dim, dtype=torch.float32, device=dev),
-            torch.empty(sw.heads * splits, dtype=torch.float32, device=dev),
-            torch.zeros(2 + sw.kv_heads, dtype=torch.int32, device=dev),
+            words(n_qkv),
+            words(sw.heads * sw.head_dim),
+            words(hidden),
+            words(inter),
+            words(hidden),
+            words(sw.heads * splits * sw.head_dim, torch.int64),
+            words(sw.heads * splits, torch.int64),
+            torch.zeros(2, dtype=torch.int32, device=dev),
         )
     return _BUFFERS[key]
 
 
-def _smem(device: torch.device, hidden: int, inter: int, q_width: int, group: int, head_dim: int):
-    """(ring bytes, vec floats, scratch floats, total bytes) of the kernel's shared memory."""
+def trace(device: torch.device) -> None:
+    """Makes every later launch on device record its blocks' clock64 readings (trace_view); call it before
+    any launch is captured in a CUDA graph."""
+    global _TRACE
+    blocks = torch.cuda.get_device_properties(device).multi_processor_count
+    _TRACE = torch.zeros(blocks * (_TRACE_MAX_LAYERS * _TRACE_POINTS + 4), dtype=torch.int64, device=device)
+
+
+def trace_view(num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last launch's readings (on the CPU): [blocks, layers, 5 stages, 5 points] of clock64 (stage start,
+    next weights issued, inputs in, weights in, done; attention: start, issued, q in, split written,
+    merged), and [blocks, 4]: (clock64, globaltimer ns) at the block's start and end."""
+    assert _TRACE is not None and _last_grid, "trace() was not called, or no launch was made since"
+    t, blocks = _TRACE.cpu(), _last_grid
+    n = blocks * num_layers * _TRACE_POINTS
+    return t[:n].view(blocks, num_layers, 5, 5), t[n : n + 4 * blocks].view(blocks, 4)
+
+
+def _smem(
+    device: torch.device,
+    hidden: int,
+    inter: int,
+    q_width: int,
+    group: int,
+    head_dim: int,
+    itemsize: int,
+    num_layers: int,
+):
+    """(ring bytes, vec elements, scratch floats, total bytes) of the kernel's shared memory, laid out as
+    decode_step.cu's kernel does: the weight ring; the projection's input row, h, h2 and the next norm's
+    weights (of the model's dtype); the layers' pointer table (int64); the position's cos / sin; the
+    attention's scratch (attend() lays it out) and NW floats of reduction."""
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-    vec = max(hidden, inter, q_width)
-    nw = _THREADS_WARPS
-    scratch = _MAX_GROUP * head_dim + max(
-        nw * head_dim + head_dim, 2 * nw * _MAX_GROUP + nw * group * head_dim
-    )
-    fixed = 4 * (vec + scratch + nw + 1)
-    ring = (limit - fixed - 1024) // 256 * 256
+    vec = -(-max(hidden, inter, q_width, 2 * head_dim) // 8) * 8
+    nw, d = _THREADS_WARPS, head_dim
+    table = -(-num_layers * len(_LAYER_FIELDS) // 2) * 2
+    scratch = (group + 2) * d + group * d + d + (group + 1) * d + 2 * nw * _MAX_GROUP + nw * group * d
+    fixed = itemsize * (2 * vec + 2 * hidden) + 8 * table + 4 * (d + scratch + nw)
+    ring = (limit - fixed - _STATIC_SMEM) // 256 * 256
     return ring, vec, scratch, fixed + ring
 
 
@@ -325,15 +379,30 @@ def decode_step(
     hidden, inter = lw.qkv.shape[1], lw.down.shape[1]
     assert k_buffer.dtype == x.dtype == lw.qkv.dtype and k_buffer.stride() == v_buffer.stride()
     assert k_buffer.stride(-1) == 1 and page_table.dtype == torch.int32 and page_table.stride(-1) == 1
-    grid = torch.cuda.get_device_properties(dev).multi_processor_count
-    splits = max(1, grid // sw.kv_heads)
+    assert x.data_ptr() % 16 == 0, "the embedding row is read in 16-byte pieces"
+    # one block an SM, every block with a unit of every projection (the tagged words' ordering needs it)
+    n_qkv = lw.qkv.shape[0]
+    grid = min(torch.cuda.get_device_properties(dev).multi_processor_count, hidden, inter, n_qkv)
+    splits = max(1, min(_MAX_SPLITS, grid // sw.kv_heads))
+    global _last_grid
+    _last_grid = grid
     buf = _buffers(sw, splits)
     ring, vec, scratch, smem = _smem(
-        dev, hidden, inter, sw.heads * sw.head_dim, sw.heads // sw.kv_heads, sw.head_dim
+        dev,
+        hidden,
+        inter,
+        sw.heads * sw.head_dim,
+        sw.heads // sw.kv_heads,
+        sw.head_dim,
+        x.element_size(),
+        len(sw.layers),
     )
     values = _model_fields(sw, x, buf, splits)
     values.update(_pool_fields(k_buffer, v_buffer, page_table, table_idx, seq_lens, out_loc, positions))
-    values.update(ring_bytes=ring, vec_floats=vec, scratch_floats=scratch)
+    traced = _TRACE is not None and _TRACE.device == dev and len(sw.layers) <= _TRACE_MAX_LAYERS
+    values.update(
+        ring_bytes=ring, vec_elems=vec, scratch_floats=scratch, trace=_TRACE.data_ptr() if traced else 0
+    )
     cache = sw.cos_sin_cache
     assert cache.dtype == torch.float32 and cache.stride(-1) == 1
     args = (ctypes.c_int64 * len(_FIELDS))(*(values[f] for f in _FIELDS))

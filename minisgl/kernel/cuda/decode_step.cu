@@ -3,20 +3,26 @@
 // the output projection, a SiLU-gated MLP), from the embedding row to the last layer's (MLP output,
 // residual). kernel/step_kernel.py builds it with nvcc, packs its arguments and launches it.
 //
-// One block per SM, all resident. A layer is five stages; the blocks wait for each other between stages
-// at a counter in global memory (a grid barrier) instead of at kernel boundaries:
-//   qkv   h = y + h2 (x on the first layer), rms_norm(h), the QKV rows of this block
-//   attn  (KV head, split) work items: q/k norm + rotary, the new K/V stored, a split of the keys; the
-//         last split of a KV head to finish merges that head group's splits (a per-head counter)
+// One block per SM, all resident. A layer is five stages, each split over every block:
+//   qkv   h = y + h2 (x on the first layer), rms_norm(h), this block's QKV rows
+//   attn  (KV head, split) work items: q/k norm + rotary, the new K/V stored, a split of the keys; split 0
+//         of each KV head merges the head group's splits
 //   o     the output projection's rows, h2 = o + h
 //   gu    rms_norm(h2), gate and up rows in pairs, silu(gate) * up
 //   down  the down projection's rows: y
-// Weights never depend on the step, so each block copies its rows of the next weight stages into a ring
-// of shared memory (cp.async) as soon as the ring has room, before it waits at the barrier: the weight
-// stream runs while the blocks wait for each other and while attention runs. Rows that do not fit the
-// ring's half are read from global memory at compute time.
+// No grid barrier: a stage's outputs are written as tagged words (the value in the high half, the tag of
+// this launch's layer in the low half, one store each) and a consumer spins on its inputs' words until every
+// tag is the layer's. A word is stored and read whole, so a reader that sees the tag sees the value: no
+// fence, no counter, and a stage starts the moment the words it reads are there. Every block takes part in
+// every projection stage, so each buffer's next write depends (through the layer's chain) on every reader
+// of its last write having read it.
 //
-// Data written by other blocks during the launch is read with ld.global.cg (L2, never a stale L1 line).
+// Weights never depend on the step, so each block copies its rows of the next weight stages into a ring
+// of shared memory (bulk copies on mbarriers) as soon as the ring has room, before it waits for its inputs: the weight
+// stream runs while the blocks wait for each other and while attention runs. Rows past 3/5 of the
+// ring are read from global memory at compute time. Attention loads its first keys from the KV
+// cache (written by earlier steps) before its q arrives.
+//
 // The roundings are the layer kernels' (kernel/reference.py): each projection's output, the residual
 // adds, the normalised row before the norm weight, silu before the multiply, the merged attention output.
 #include <cuda_bf16.h>
@@ -28,16 +34,25 @@ namespace {
 
 constexpr int NT = 512;
 constexpr int NW = NT / 32;
-constexpr int MAXG = 8;     // query heads per KV head, at most
+constexpr int MAXG = 8;        // query heads per KV head, at most
+constexpr int MAXS = NW;       // KV splits, at most
 constexpr int RING_SLOTS = 4;
+constexpr int PRE_ROUNDS = 2;  // rounds of keys loaded before q arrives
+constexpr int STAGES = 5;      // trace: stages a layer
+constexpr int POINTS = 5;      // trace: clock readings a stage
+
+// STEP_NO_GEMV (a measurement: wrong outputs): the projections' dot products left out
+#ifndef STEP_NO_GEMV
+#define STEP_NO_GEMV 0
+#endif
 
 // The argument block: one int64 each, in this order (FIELDS is checked against step_kernel.py's list).
 #define STEP_FIELDS(X)                                                                                     \
   X(layers) X(num_layers) X(hidden) X(heads) X(kv_heads) X(head_dim) X(inter) X(rot_half) X(splits)       \
-  X(x_in) X(h) X(h2) X(y) X(qkv) X(attn) X(act) X(part_o) X(part_lse) X(k_cache) X(v_cache)              \
-  X(kv_layer_stride) X(stride_kt) X(stride_kh) X(page_table) X(stride_pt) X(table_idx) X(seq_lens)        \
-  X(out_loc) X(positions) X(idx64) X(cos_sin) X(stride_cs) X(counters) X(ring_bytes) X(vec_floats)       \
-  X(scratch_floats)
+  X(x_in) X(h2) X(y) X(w_qkv) X(w_attn) X(w_h2) X(w_act) X(w_y) X(part_o) X(part_lse) X(k_cache)         \
+  X(v_cache) X(kv_layer_stride) X(stride_kt) X(stride_kh) X(page_table) X(stride_pt) X(table_idx)        \
+  X(seq_lens) X(out_loc) X(positions) X(idx64) X(cos_sin) X(stride_cs) X(counters) X(ring_bytes)         \
+  X(vec_elems) X(scratch_floats) X(trace)
 #define AS_ENUM(name) F_##name,
 enum Field { STEP_FIELDS(AS_ENUM) NUM_FIELDS };
 #define AS_NAME(name) #name ","
@@ -55,11 +70,9 @@ struct Args {
 template <typename T> __device__ __forceinline__ float tof(T x);
 template <> __device__ __forceinline__ float tof<float>(float x) { return x; }
 template <> __device__ __forceinline__ float tof<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float tof<__half>(__half x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T fromf(float x);
 template <> __device__ __forceinline__ float fromf<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 fromf<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half fromf<__half>(float x) { return __float2half(x); }
 template <typename T> __device__ __forceinline__ float rnd(float x) { return tof<T>(fromf<T>(x)); }
 
 // 16 bytes of T as floats
@@ -77,32 +90,47 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
-template <typename T> __device__ __forceinline__ float ldcg_f(const T* p) { return tof<T>(__ldcg(p)); }
-template <> __device__ __forceinline__ float ldcg_f<__nv_bfloat16>(const __nv_bfloat16* p) {
-  unsigned short b = __ldcg(reinterpret_cast<const unsigned short*>(p));
-  return __uint_as_float(static_cast<unsigned>(b) << 16);
+
+__device__ __forceinline__ unsigned saddr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// ---- bulk copies into shared memory (the copy engine), completed on an mbarrier --------------------------
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(saddr(p)));
+  return r;
 }
-template <> __device__ __forceinline__ float ldcg_f<__half>(const __half* p) {
-  unsigned short b = __ldcg(reinterpret_cast<const unsigned short*>(p));
-  return __half2float(__ushort_as_half(b));
+// 16 bytes global -> shared, waited for by the issuing thread with cp_wait_all (then a block barrier)
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// bytes (a multiple of 16) of a row into shared memory, by the whole block
+__device__ __forceinline__ void stage_row(void* dst, const void* src, int bytes) {
+  for (int c = threadIdx.x; c < bytes / 16; c += NT) cp16((char*)dst + c * 16, (const char*)src + c * 16);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(bar)) : "memory");
+}
+// one arrival (this thread's) that also expects `bytes` of copies on the barrier's current phase
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}" ::"r"(saddr(bar)), "r"(parity) : "memory");
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global memory into shared memory
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
 }
 
-__device__ __forceinline__ void cp16(void* smem, const void* g) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_wait(int younger) {
-  if (younger <= 0) asm volatile("cp.async.wait_group 0;" ::: "memory");
-  else if (younger == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-  else if (younger == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
-  else asm volatile("cp.async.wait_group 3;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -115,22 +143,102 @@ __device__ __forceinline__ int64_t ld_idx(int64_t ptr, int64_t is64) {
   return is64 ? __ldcg(reinterpret_cast<const long long*>(ptr)) : __ldcg(reinterpret_cast<const int*>(ptr));
 }
 
-// ---- the grid barrier --------------------------------------------------------------------------------
-__device__ __forceinline__ void arrive(unsigned* ctr) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(ctr, 1u);
-  }
+// ---- tagged words ------------------------------------------------------------------------------------------
+// bf16: a 32-bit word, the value's bits high, a 16-bit tag low; float: a 64-bit word, the value high, a
+// 32-bit tag low. Tags of consecutive writes of a word differ by one (mod 2^16), so a stale word never
+// carries the tag a reader waits for.
+template <typename T> struct Word;
+template <> struct Word<__nv_bfloat16> {
+  using W = unsigned;
+  static constexpr int PER = 4;  // words a 16-byte load
+};
+template <> struct Word<float> {
+  using W = unsigned long long;
+  static constexpr int PER = 2;
+};
+using FWord = unsigned long long;  // float32 values of any model (the attention splits)
+
+__device__ __forceinline__ void st_word(unsigned* p, __nv_bfloat16 v, unsigned tag) {
+  const unsigned w = (static_cast<unsigned>(__bfloat16_as_ushort(v)) << 16) | (tag & 0xffffu);
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(w) : "memory");
 }
-__device__ __forceinline__ void wait_for(const unsigned* ctr, unsigned target) {
-  if (threadIdx.x == 0) {
-    // a barrier that is never met (a block not resident, a bug) traps after ~2 s instead of hanging
-    const long long t0 = clock64();
-    while (ld_acquire(ctr) < target) {
-      if (clock64() - t0 > 4000000000LL) __trap();
+__device__ __forceinline__ void st_word(unsigned long long* p, float v, unsigned tag) {
+  const unsigned long long w = (static_cast<unsigned long long>(__float_as_uint(v)) << 32) | tag;
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+
+// a word that is never written (a block not resident, a bug) traps after ~2 s instead of hanging
+__device__ __forceinline__ void spin(long long& t0) {
+  if (t0 == 0) t0 = clock64();
+  else if (clock64() - t0 > 4000000000LL) __trap();
+  __nanosleep(32);
+}
+
+// 16 bytes of words once every tag is `tag`: their values
+__device__ __forceinline__ void ld_words(const unsigned* p, unsigned tag, float* out) {
+  uint4 u;
+  long long t0 = 0;
+  tag &= 0xffffu;
+  for (;;) {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p) : "memory");
+    if ((u.x & 0xffffu) == tag && (u.y & 0xffffu) == tag && (u.z & 0xffffu) == tag && (u.w & 0xffffu) == tag) break;
+    spin(t0);
+  }
+  out[0] = __uint_as_float(u.x & 0xffff0000u);
+  out[1] = __uint_as_float(u.y & 0xffff0000u);
+  out[2] = __uint_as_float(u.z & 0xffff0000u);
+  out[3] = __uint_as_float(u.w & 0xffff0000u);
+}
+__device__ __forceinline__ void ld_words(const unsigned long long* p, unsigned tag, float* out) {
+  unsigned long long x, y;
+  long long t0 = 0;
+  for (;;) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];" : "=l"(x), "=l"(y) : "l"(p) : "memory");
+    if (static_cast<unsigned>(x) == tag && static_cast<unsigned>(y) == tag) break;
+    spin(t0);
+  }
+  out[0] = __uint_as_float(static_cast<unsigned>(x >> 32));
+  out[1] = __uint_as_float(static_cast<unsigned>(y >> 32));
+}
+__device__ __forceinline__ float ld_word(const unsigned long long* p, unsigned tag) {
+  unsigned long long x;
+  long long t0 = 0;
+  for (;;) {
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(x) : "l"(p) : "memory");
+    if (static_cast<unsigned>(x) == tag) break;
+    spin(t0);
+  }
+  return __uint_as_float(static_cast<unsigned>(x >> 32));
+}
+
+__device__ __forceinline__ bool word_ready(const unsigned* p, unsigned tag) {
+  unsigned x;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
+  return (x & 0xffffu) == (tag & 0xffffu);
+}
+__device__ __forceinline__ bool word_ready(const unsigned long long* p, unsigned tag) {
+  unsigned long long x;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(x) : "l"(p) : "memory");
+  return static_cast<unsigned>(x) == tag;
+}
+
+// STEP_GATE: before a block reads n words, one warp polls 32 of them spread over the buffer until all are
+// tagged, so the block's other threads do not poll while the producers are still working
+#ifndef STEP_GATE
+#define STEP_GATE 0
+#endif
+template <typename W>
+__device__ __forceinline__ void gate(const W* src, int n, unsigned tag) {
+  if (!STEP_GATE) return;
+  if (threadIdx.x < 32) {
+    const int i = (int)(((long long)(threadIdx.x + 1) * n) / 32) - 1;
+    long long t0 = 0;
+    for (;;) {
+      const bool ok = i < 0 || word_ready(src + i, tag);
+      if (__all_sync(0xffffffffu, ok)) break;
+      spin(t0);
     }
-    __threadfence();
   }
   __syncthreads();
 }
@@ -149,12 +257,13 @@ struct Stage {
 };
 
 __device__ __forceinline__ const char* lptr(const int64_t* lp, int field) {
-  return reinterpret_cast<const char*>(__ldg(reinterpret_cast<const long long*>(lp) + field));
+  return reinterpret_cast<const char*>(lp[field]);
 }
 
+// tab: the layers' pointer table, copied into shared memory at the start
 template <typename T>
-__device__ Stage stage_of(const Args& a, int ws, int ring_bytes) {
-  const int64_t* lp = reinterpret_cast<const int64_t*>(a.v[F_layers]) + (ws >> 2) * NUM_LAYER_FIELDS;
+__device__ Stage stage_of(const Args& a, const int64_t* tab, int ws, int ring_bytes) {
+  const int64_t* lp = tab + (ws >> 2) * NUM_LAYER_FIELDS;
   const int H = a.v[F_hidden], D = a.v[F_head_dim], I = a.v[F_inter];
   const int Hq = a.v[F_heads], Hk = a.v[F_kv_heads];
   Stage s;
@@ -166,11 +275,11 @@ __device__ Stage stage_of(const Args& a, int ws, int ring_bytes) {
     case K_GU: s.w = lptr(lp, L_GATE_UP); s.k = H; units = I; s.pair_offset = I; break;
     default: s.w = lptr(lp, L_DOWN); s.k = I; units = H; break;
   }
-  const int per = (units + gridDim.x - 1) / gridDim.x;
-  s.u0 = min(units, (int)blockIdx.x * per);
-  s.n = min(units, s.u0 + per) - s.u0;
+  // balanced: every block gets at least one unit (step_kernel.py keeps the grid <= every stage's units)
+  s.u0 = (int)blockIdx.x * units / (int)gridDim.x;
+  s.n = ((int)blockIdx.x + 1) * units / (int)gridDim.x - s.u0;
   const int unit_bytes = (s.pair_offset ? 2 : 1) * s.k * (int)sizeof(T);
-  s.npre = min(s.n, (ring_bytes / 2) / unit_bytes);
+  s.npre = min(s.n, (ring_bytes / 5 * 3) / unit_bytes);  // any stage fits the ring once it is empty
   s.bytes = s.npre * unit_bytes;
   return s;
 }
@@ -179,28 +288,32 @@ __device__ Stage stage_of(const Args& a, int ws, int ring_bytes) {
 struct Ring {
   int bytes, head, used, live, next;  // next: the next weight stage to issue
   int off[RING_SLOTS], size[RING_SLOTS];
-  int first;  // FIFO index of the oldest live slot
+  int first;     // FIFO index of the oldest live slot
+  unsigned par;  // bit i: the parity slot i's barrier completes next
+  uint64_t* bar; // RING_SLOTS mbarriers in shared memory
+  const int64_t* tab;
 };
 
+// issues the next weight stages while the ring has room: thread 0 starts one bulk copy per contiguous run of
+// rows (a stage's rows are one run; gate/up's are two, the gate rows then the up rows), completed on the
+// slot's mbarrier, so no thread waits for the copies until it needs them
 template <typename T>
 __device__ void ring_issue(Ring& r, const Args& a, char* ring, int total_ws) {
-  while (r.next < total_ws && r.live < RING_SLOTS - 1) {
-    Stage s = stage_of<T>(a, r.next, r.bytes);
+  while (r.next < total_ws && r.live < RING_SLOTS) {
+    Stage s = stage_of<T>(a, r.tab, r.next, r.bytes);
     int pad = (r.head + s.bytes > r.bytes) ? r.bytes - r.head : 0;
     if (r.used + pad + s.bytes > r.bytes) break;
     int off = pad ? 0 : r.head;
-    char* dst = ring + off;
-    const int row_bytes = s.k * (int)sizeof(T);
-    const int chunks_per_unit = (s.pair_offset ? 2 : 1) * row_bytes / 16;
-    const int total = s.npre * chunks_per_unit;
-    for (int c = threadIdx.x; c < total; c += NT) {
-      int u = c / chunks_per_unit, j = c - u * chunks_per_unit;
-      int row = s.u0 + u, rc = row_bytes / 16;
-      if (j >= rc) { row += s.pair_offset; j -= rc; }
-      cp16(dst + (size_t)c * 16, s.w + (size_t)row * row_bytes + (size_t)j * 16);
+    const int slot = (r.first + r.live) % RING_SLOTS;
+    if (threadIdx.x == 0) {
+      mbar_expect(r.bar + slot, s.bytes);
+      if (s.bytes) {
+        const size_t row_bytes = (size_t)s.k * sizeof(T);
+        const unsigned run = (unsigned)(s.npre * row_bytes);
+        bulk_copy(ring + off, s.w + s.u0 * row_bytes, run, r.bar + slot);
+        if (s.pair_offset) bulk_copy(ring + off + run, s.w + (s.u0 + s.pair_offset) * row_bytes, run, r.bar + slot);
+      }
     }
-    cp_commit();
-    int slot = (r.first + r.live) % RING_SLOTS;
     r.off[slot] = off;
     r.size[slot] = pad + s.bytes;
     r.head = off + s.bytes;
@@ -212,8 +325,8 @@ __device__ void ring_issue(Ring& r, const Args& a, char* ring, int total_ws) {
 
 // the oldest live stage's rows, in shared memory: waits for its copies
 __device__ char* ring_front(Ring& r, char* ring) {
-  cp_wait(r.live - 1);
-  __syncthreads();
+  mbar_wait(r.bar + r.first, (r.par >> r.first) & 1u);
+  r.par ^= 1u << r.first;
   return ring + r.off[r.first];
 }
 __device__ void ring_pop(Ring& r) {
@@ -224,20 +337,77 @@ __device__ void ring_pop(Ring& r) {
   if (r.live == 0) r.head = 0, r.used = 0;
 }
 
-// one row of W (in shared memory or global) times vec, summed over the warp
+// one row of W (in shared memory or global) times vec (shared memory, T), summed over the warp: each lane
+// reads 16 bytes of the row and 16 of vec, so neither read has bank conflicts
 template <typename T>
-__device__ __forceinline__ float row_dot(const char* row, bool smem, const float* vec, int k, int lane) {
+__device__ __forceinline__ float row_dot(const char* row, bool smem, const T* vec, int k, int lane) {
   constexpr int E = Vec<T>::N;
   float acc = 0.f;
+  if (STEP_NO_GEMV) k = 0;
 #pragma unroll 4
   for (int i = lane * E; i < k; i += 32 * E) {
-    uint4 u = smem ? *reinterpret_cast<const uint4*>(row + (size_t)i * sizeof(T)) : ld_stream(row + (size_t)i * sizeof(T));
-    float w[E];
+    const uint4 u = smem ? lds128(row + (size_t)i * sizeof(T)) : ld_stream(row + (size_t)i * sizeof(T));
+    const uint4 xv = lds128(vec + i);
+    float w[E], x[E];
     unpack<T>(u, w);
+    unpack<T>(xv, x);
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc += w[e] * vec[i + e];
+    for (int e = 0; e < E; ++e) acc += w[e] * x[e];
   }
   return warp_sum(acc);
+}
+
+// two rows at once (two sums in flight, vec read once for both)
+template <typename T>
+__device__ __forceinline__ void row_dot2(const char* r0, bool s0, const char* r1, bool s1, const T* vec, int k,
+                                         int lane, float& o0, float& o1) {
+  constexpr int E = Vec<T>::N;
+  float a0 = 0.f, a1 = 0.f;
+  if (STEP_NO_GEMV) k = 0;
+#pragma unroll 4
+  for (int i = lane * E; i < k; i += 32 * E) {
+    const size_t b = (size_t)i * sizeof(T);
+    const uint4 u0 = s0 ? lds128(r0 + b) : ld_stream(r0 + b);
+    const uint4 u1 = s1 ? lds128(r1 + b) : ld_stream(r1 + b);
+    const uint4 xv = lds128(vec + i);
+    float x[E], w0[E], w1[E];
+    unpack<T>(xv, x);
+    unpack<T>(u0, w0);
+    unpack<T>(u1, w1);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      a0 += w0[e] * x[e];
+      a1 += w1[e] * x[e];
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a0 += __shfl_xor_sync(0xffffffffu, a0, o);
+    a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+  }
+  o0 = a0;
+  o1 = a1;
+}
+
+// this block's rows of a plain stage times vec, two rows a warp at a time: out(u, value) on lane 0 (u from 0)
+template <typename T, typename F>
+__device__ __forceinline__ void stage_rows(const Stage& s, const char* sm, const T* vec, F&& out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const size_t rb = (size_t)s.k * sizeof(T);
+  for (int u = warp; u < s.n; u += 2 * NW) {
+    const int u2 = u + NW;
+    const bool p0 = u < s.npre, p1 = u2 < s.npre;
+    const char* r0 = p0 ? sm + u * rb : s.w + (s.u0 + u) * rb;
+    if (u2 < s.n) {
+      const char* r1 = p1 ? sm + u2 * rb : s.w + (s.u0 + u2) * rb;
+      float v0, v1;
+      row_dot2<T>(r0, p0, r1, p1, vec, s.k, lane, v0, v1);
+      if (lane == 0) out(u, v0), out(u2, v1);
+    } else {
+      const float v0 = row_dot<T>(r0, p0, vec, s.k, lane);
+      if (lane == 0) out(u, v0);
+    }
+  }
 }
 
 // ---- the input rows of the projections -------------------------------------------------------------------
@@ -251,37 +421,45 @@ __device__ float block_sum(float x, float* red) {
   return warp_sum(t);
 }
 
-// vec = rms_norm(h, w) with h = a (+ b, rounded); h_out (where given) gets h
+// dst[:n] = the words' values once tagged `tag` (optionally + add[:n], rounded); returns the sum of squares
 template <typename T>
-__device__ void normed_row(const T* a, const T* b, T* h_out, const T* w, int k, float eps, float* vec,
-                           float* red) {
+__device__ float gather_words(const typename Word<T>::W* src, int n, unsigned tag, const T* add, T* dst) {
+  constexpr int P = Word<T>::PER;
+  gate(src, n, tag);
   float ss = 0.f;
-  for (int i = threadIdx.x; i < k; i += NT) {
-    float h = ldcg_f(a + i);
-    if (b) h = rnd<T>(h + ldcg_f(b + i));
-    if (h_out) h_out[i] = fromf<T>(h);
-    vec[i] = h;
-    ss += h * h;
+  for (int c = threadIdx.x; c < n / P; c += NT) {
+    float f[P];
+    ld_words(src + c * P, tag, f);
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+      float v = f[e];
+      if (add) v = rnd<T>(v + tof<T>(add[c * P + e]));
+      dst[c * P + e] = fromf<T>(v);
+      ss += v * v;
+    }
   }
-  const float rstd = rsqrtf(block_sum(ss, red) / k + eps);
-  for (int i = threadIdx.x; i < k; i += NT) vec[i] = rnd<T>(tof<T>(w[i]) * rnd<T>(vec[i] * rstd));
-  __syncthreads();
+  return ss;
 }
 
+// vec = rms_norm(row, w) for row [k] in shared memory, whose sum of squares this thread's part gave ss; w in
+// shared memory, staged by this block's cp16s (waited for here)
 template <typename T>
-__device__ void plain_row(const T* a, int k, float* vec) {
-  for (int i = threadIdx.x; i < k; i += NT) vec[i] = ldcg_f(a + i);
+__device__ void norm_into(const T* row, float ss, const T* w, int k, float eps, T* vec, float* red) {
+  cp_wait_all();
+  const float rstd = rsqrtf(block_sum(ss, red) / k + eps);
+  for (int i = threadIdx.x; i < k; i += NT) vec[i] = fromf<T>(rnd<T>(tof<T>(w[i]) * rnd<T>(tof<T>(row[i]) * rstd)));
   __syncthreads();
 }
 
 // ---- attention ---------------------------------------------------------------------------------------------
-// head row x [D] (rounded to T) RMS-normalised with w (if any) and rotated, by one warp into out[D]
+// head row x [D] (shared memory, values of T) RMS-normalised with w (if any) and rotated, by one warp into
+// out[D] (rounded to T)
 template <typename T>
-__device__ void rope_head(const T* x, const T* w, float eps, const float* cs, int half, int D, float* tmp,
+__device__ void rope_head(const float* x, const T* w, float eps, const float* cs, int half, int D, float* tmp,
                           float* out, int lane) {
   float ss = 0.f;
   for (int d = lane; d < D; d += 32) {
-    float v = ldcg_f(x + d);
+    const float v = x[d];
     tmp[d] = v;
     ss += v * v;
   }
@@ -302,58 +480,102 @@ __device__ void rope_head(const T* x, const T* w, float eps, const float* cs, in
   __syncwarp();
 }
 
+// what a block's attention work item is, the same for every layer of a launch (read once at the start)
+struct Ctx {
+  int kvh, split;            // split < 0: no attention work
+  int start, end, last;      // its keys [start, end); last: the new token's position
+  int64_t row, slot_new;     // its page-table row; the new token's KV slot
+  int pslot[PRE_ROUNDS];     // this lane's first keys' slots (-1: none or the new token)
+  const float* cs;           // cos / sin of the position, in shared memory
+};
+
+// the attention scratch (floats), as step_kernel.py sizes it:
+//   src [(group + 2) * D]  q heads, k, v of the KV head as read; qs [group * D] rotated q; knew [D];
+//   tmp [(group + 1) * D]; then either the warps' partials (wm, wl [NW * MAXG], wacc [NW * group * D]) or
+//   the merge's splits (mo [group * S * D], ml [group * S])
 template <typename T, int LPK, int GM>
-__device__ void attend(const Args& a, int layer, float* smem_f, float* red) {
+__device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int layer, unsigned tag, float* sm,
+                       T* nwt, long long* tr) {
   constexpr int E = Vec<T>::N;
   constexpr int KPW = 32 / LPK;
+  using W = typename Word<T>::W;
+  constexpr int P = Word<T>::PER;
   const int D = a.v[F_head_dim], Hq = a.v[F_heads], Hk = a.v[F_kv_heads], S = a.v[F_splits];
   const int group = Hq / Hk;
-  const int item = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  unsigned* head_ctr = reinterpret_cast<unsigned*>(a.v[F_counters]) + 2;
-  if (item >= Hk * S) return;
-  const int kvh = item / S, split = item - kvh * S;
-  const int64_t i64 = a.v[F_idx64];
-  const int seq = (int)ld_idx(a.v[F_seq_lens], i64 & 1);
-  const int64_t pos = ld_idx(a.v[F_positions], i64 & 2);
-  const int64_t row = ld_idx(a.v[F_table_idx], i64 & 4);
-  const int chunk = (seq + S - 1) / S;
-  const int start = split * chunk, end = min(start + chunk, seq);
-  float* part_o = reinterpret_cast<float*>(a.v[F_part_o]);
-  float* part_lse = reinterpret_cast<float*>(a.v[F_part_lse]);
-  T* attn = reinterpret_cast<T*>(a.v[F_attn]);
-  const int64_t* lp = reinterpret_cast<const int64_t*>(a.v[F_layers]) + layer * NUM_LAYER_FIELDS;
-  const float eps = a.eps;
+  if (cx.split < 0) return;
+  const int kvh = cx.kvh, split = cx.split;
+  const int last = cx.last, start = cx.start, end = cx.end;
+  FWord* part_o = reinterpret_cast<FWord*>(a.v[F_part_o]);
+  FWord* part_lse = reinterpret_cast<FWord*>(a.v[F_part_lse]);
+  char* kc = reinterpret_cast<char*>(a.v[F_k_cache]) + (size_t)layer * a.v[F_kv_layer_stride] * sizeof(T);
+  char* vc = reinterpret_cast<char*>(a.v[F_v_cache]) + (size_t)layer * a.v[F_kv_layer_stride] * sizeof(T);
+  const int64_t skt = a.v[F_stride_kt] * sizeof(T), skh = a.v[F_stride_kh] * sizeof(T);
+  const int* pt = reinterpret_cast<const int*>(a.v[F_page_table]) + cx.row * a.v[F_stride_pt];
+  const int sub = lane / LPK, sl = lane % LPK;
+  const size_t dim_off = (size_t)kvh * skh + (size_t)sl * 16;
 
+  float* src = sm;
+  float* qs = src + (group + 2) * D;
+  float* knew = qs + group * D;
+  float* tmp = knew + D;
+  float* wm = tmp + (group + 1) * D;
+  float* wl = wm + NW * MAXG;
+  float* wacc = wl + NW * MAXG;
+
+  // the keys of the first rounds, from earlier steps, and the q / k norm weights: loaded before q arrives
+  uint4 kp[PRE_ROUNDS], vp[PRE_ROUNDS];
+#pragma unroll
+  for (int r = 0; r < PRE_ROUNDS; ++r) {
+    if (cx.pslot[r] >= 0) {
+      kp[r] = ld_cg(kc + (int64_t)cx.pslot[r] * skt + dim_off);
+      vp[r] = ld_cg(vc + (int64_t)cx.pslot[r] * skt + dim_off);
+    } else {
+      kp[r] = vp[r] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  const T* qn = (const T*)lp[L_Q_NORM];
+  const T* kn = (const T*)lp[L_K_NORM];
   if (start < end) {
-    const T* qkv = reinterpret_cast<const T*>(a.v[F_qkv]);
-    const float* cs = reinterpret_cast<const float*>(a.v[F_cos_sin]) + pos * a.v[F_stride_cs];
+    if (qn) stage_row(nwt, qn, D * (int)sizeof(T));
+    if (kn) stage_row(nwt + D, kn, D * (int)sizeof(T));
+  }
+
+  // this KV head's q heads, k and v (an empty split reads none)
+  if (start < end) {
+    const W* qkv = reinterpret_cast<const W*>(a.v[F_w_qkv]);
+    gate(qkv + kvh * group * D, group * D, tag);
+    const int nq = group * D / P, nk = D / P;
+    for (int c = threadIdx.x; c < nq + 2 * nk; c += NT) {
+      int off;
+      if (c < nq) off = kvh * group * D + c * P;
+      else if (c < nq + nk) off = (Hq + kvh) * D + (c - nq) * P;
+      else off = (Hq + Hk + kvh) * D + (c - nq - nk) * P;
+      ld_words(qkv + off, tag, src + c * P);
+    }
+  }
+  cp_wait_all();
+  __syncthreads();
+  if (start < end) {
+    const float* cs = cx.cs;
     const int half = a.v[F_rot_half];
-    float* qs = smem_f;                   // [group][D]
-    float* tmp = smem_f + MAXG * D;       // [NW][D]
-    char* kc = reinterpret_cast<char*>(a.v[F_k_cache]) + (size_t)layer * a.v[F_kv_layer_stride] * sizeof(T);
-    char* vc = reinterpret_cast<char*>(a.v[F_v_cache]) + (size_t)layer * a.v[F_kv_layer_stride] * sizeof(T);
-    const int64_t skt = a.v[F_stride_kt] * sizeof(T), skh = a.v[F_stride_kh] * sizeof(T);
     if (warp < group) {
-      rope_head<T>(qkv + (kvh * group + warp) * D, (const T*)lp[L_Q_NORM], eps, cs, half, D, tmp + warp * D,
-                   qs + warp * D, lane);
-    } else if (warp == NW - 1 && end == seq) {  // this split holds the new key: rotate it, store it and v
-      const int64_t slot = ld_idx(a.v[F_out_loc], i64 & 8);
-      float* kn = tmp + warp * D;
-      float* kr = qs + MAXG * D + NW * D;  // past tmp
-      rope_head<T>(qkv + (Hq + kvh) * D, (const T*)lp[L_K_NORM], eps, cs, half, D, kn, kr, lane);
+      rope_head<T>(src + warp * D, qn ? nwt : nullptr, a.eps, cs, half, D, tmp + warp * D, qs + warp * D, lane);
+    } else if (warp == NW - 1 && end == last + 1) {  // this split holds the new key: rotate it, store it and v
+      const int64_t slot = cx.slot_new;
+      rope_head<T>(src + group * D, kn ? nwt + D : nullptr, a.eps, cs, half, D, tmp + group * D, knew, lane);
       T* kdst = reinterpret_cast<T*>(kc + slot * skt + kvh * skh);
       T* vdst = reinterpret_cast<T*>(vc + slot * skt + kvh * skh);
-      const T* vsrc = qkv + (Hq + Hk + kvh) * D;
       for (int d = lane; d < D; d += 32) {
-        kdst[d] = fromf<T>(kr[d]);
-        vdst[d] = __ldcg(vsrc + d);
+        kdst[d] = fromf<T>(knew[d]);
+        vdst[d] = fromf<T>(src[(group + 1) * D + d]);
       }
-      __threadfence_block();
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  if (tr && threadIdx.x == 0) tr[2] = clock64();
 
-    const int sub = lane / LPK, sl = lane % LPK;
+  if (start < end) {
     float q[GM][E], acc[GM][E], m[GM], l[GM];
 #pragma unroll
     for (int g = 0; g < GM; ++g) {
@@ -365,21 +587,17 @@ __device__ void attend(const Args& a, int layer, float* smem_f, float* red) {
         acc[g][e] = 0.f;
       }
     }
-    const int* pt = reinterpret_cast<const int*>(a.v[F_page_table]) + row * a.v[F_stride_pt];
-    const size_t dim_off = (size_t)kvh * skh + (size_t)sl * 16;
-    // the loop bounds are the warp's (its shuffles need every lane): a sub-group past the end computes on
-    // zeros and skips the update
-    for (int t0 = start + warp * KPW; t0 < end; t0 += NW * KPW) {
-      const int t = t0 + sub;
+    // one key a sub-group of lanes; the loop bounds are the warp's (its shuffles need every lane): a
+    // sub-group past the end computes on zeros and skips the update
+    auto key = [&](int t, const uint4& ku, const uint4& vu) {
       const bool valid = t < end;
       float kf[E], vf[E];
-      if (valid) {
-        const int64_t slot = __ldcg(pt + t);
-        unpack<T>(ld_cg(kc + slot * skt + dim_off), kf);
-        unpack<T>(ld_cg(vc + slot * skt + dim_off), vf);
-      } else {
+      if (t == last) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) kf[e] = vf[e] = 0.f;
+        for (int e = 0; e < E; ++e) kf[e] = knew[sl * E + e], vf[e] = src[(group + 1) * D + sl * E + e];
+      } else {
+        unpack<T>(ku, kf);
+        unpack<T>(vu, vf);
       }
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
@@ -399,6 +617,21 @@ __device__ void attend(const Args& a, int layer, float* smem_f, float* red) {
           }
         }
       }
+    };
+#pragma unroll
+    for (int r = 0; r < PRE_ROUNDS; ++r) {
+      const int t0 = start + (r * NW + warp) * KPW;
+      if (t0 < end) key(t0 + sub, kp[r], vp[r]);
+    }
+    for (int t0 = start + (PRE_ROUNDS * NW + warp) * KPW; t0 < end; t0 += NW * KPW) {
+      const int t = t0 + sub;
+      uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
+      if (t < end && t != last) {
+        const int64_t slot = __ldcg(pt + t);
+        ku = ld_cg(kc + slot * skt + dim_off);
+        vu = ld_cg(vc + slot * skt + dim_off);
+      }
+      key(t, ku, vu);
     }
     // the warp's sub-groups of lanes hold different keys of the same dims: merge them
 #pragma unroll
@@ -420,10 +653,6 @@ __device__ void attend(const Args& a, int layer, float* smem_f, float* red) {
       }
     }
     // then the warps, through shared memory: [warp][g] (m, l) and [warp][g][D] acc
-    float* wm = tmp;                  // reuses tmp: [NW][MAXG] m, then l, then acc
-    float* wl = wm + NW * MAXG;
-    float* wacc = wl + NW * MAXG;
-    __syncthreads();
     if (sub == 0) {
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
@@ -449,161 +678,251 @@ __device__ void attend(const Args& a, int layer, float* smem_f, float* red) {
         }
       }
       const int head = kvh * group + g;
-      part_o[((size_t)head * S + split) * D + d] = o / tot;
-      if (d == 0) part_lse[head * S + split] = mx + log2f(tot);
+      st_word(part_o + ((size_t)head * S + split) * D + d, o / tot, tag);
+      if (d == 0) st_word(part_lse + head * S + split, mx + log2f(tot), tag);
     }
-  } else {
-    for (int g = threadIdx.x; g < group; g += NT) part_lse[(kvh * group + g) * S + split] = -INFINITY;
+  } else {  // an empty split: zeros, and a log-sum of -inf
+    for (int t = threadIdx.x; t < group * D; t += NT) {
+      const int g = t / D, d = t - g * D, head = kvh * group + g;
+      st_word(part_o + ((size_t)head * S + split) * D + d, 0.f, tag);
+      if (d == 0) st_word(part_lse + head * S + split, -INFINITY, tag);
+    }
   }
-  // the last split of this KV head to finish merges the group's splits
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned old = atomicAdd(head_ctr + kvh, 1u);
-    red[NW] = old == (unsigned)(S * (layer + 1) - 1) ? 1.f : 0.f;
+  if (tr && threadIdx.x == 0) tr[3] = clock64();
+  if (split != 0) return;
+
+  // split 0 merges the group's splits: every split's words in one pass, then the weighted sum
+  __syncthreads();  // wm.. is reused
+  float* mo = wm;                   // [group][S][D]
+  float* ml = mo + group * S * D;   // [group][S]
+  const int nvo = group * S * D / 2;
+  for (int c = threadIdx.x; c < nvo + group * S; c += NT) {
+    if (c < nvo) {
+      const int g = c / (S * D / 2), rest = c - g * (S * D / 2);
+      ld_words(part_o + (size_t)(kvh * group + g) * S * D + rest * 2, tag, mo + c * 2);
+    } else {
+      const int j = c - nvo, g = j / S, s = j - g * S;
+      ml[j] = ld_word(part_lse + (kvh * group + g) * S + s, tag);
+    }
   }
   __syncthreads();
-  if (red[NW] == 0.f) return;
-  __threadfence();
+  W* attn = reinterpret_cast<W*>(a.v[F_w_attn]);
   for (int t = threadIdx.x; t < group * D; t += NT) {
-    const int g = t / D, d = t - g * D, head = kvh * group + g;
+    const int g = t / D, d = t - g * D;
     float mx = -INFINITY;
-    for (int s = 0; s < S; ++s) mx = fmaxf(mx, __ldcg(part_lse + head * S + s));
+    for (int s = 0; s < S; ++s) mx = fmaxf(mx, ml[g * S + s]);
     float tot = 0.f, o = 0.f;
     for (int s = 0; s < S; ++s) {
-      const float ls = __ldcg(part_lse + head * S + s);
+      const float ls = ml[g * S + s];
       if (ls != -INFINITY) {
         const float f = exp2f(ls - mx);
         tot += f;
-        o += f * __ldcg(part_o + ((size_t)head * S + s) * D + d);
+        o += f * mo[(g * S + s) * D + d];
       }
     }
-    attn[head * D + d] = fromf<T>(o / tot);
+    st_word(attn + (kvh * group + g) * D + d, fromf<T>(o / tot), tag);
   }
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------
 template <typename T, int LPK, int GM>
 __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constant__ Args a) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];
+  using W = typename Word<T>::W;
   const int L = a.v[F_num_layers], H = a.v[F_hidden], I = a.v[F_inter];
   const int Hq = a.v[F_heads], D = a.v[F_head_dim];
   const int ring_bytes = a.v[F_ring_bytes];
   char* ring = smem;
-  float* vec = reinterpret_cast<float*>(smem + ring_bytes);
-  float* scratch = vec + a.v[F_vec_floats];
-  float* red = scratch + a.v[F_scratch_floats];  // NW + 1 floats
+  const int vec_elems = a.v[F_vec_elems];
+  T* vec = reinterpret_cast<T*>(smem + ring_bytes);  // the projection's input row
+  T* hs = vec + vec_elems;                           // h: this layer's residual into the attention
+  T* h2s = hs + H;                                   // h2: its residual into the MLP
+  T* nwt = h2s + H;                                  // [vec_elems] the next norm's weights
+  int64_t* tab = reinterpret_cast<int64_t*>(nwt + vec_elems);  // the layers' pointer table
+  const int tab_n = (L * NUM_LAYER_FIELDS + 1) / 2 * 2;
+  float* cs = reinterpret_cast<float*>(tab + tab_n);  // [D] cos / sin of the position
+  float* scratch = cs + D;
+  float* red = scratch + a.v[F_scratch_floats];  // NW floats
   unsigned* ctr = reinterpret_cast<unsigned*>(a.v[F_counters]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  T* h = reinterpret_cast<T*>(a.v[F_h]);
   T* h2 = reinterpret_cast<T*>(a.v[F_h2]);
   T* y = reinterpret_cast<T*>(a.v[F_y]);
-  T* qkv = reinterpret_cast<T*>(a.v[F_qkv]);
-  T* act = reinterpret_cast<T*>(a.v[F_act]);
+  W* w_qkv = reinterpret_cast<W*>(a.v[F_w_qkv]);
+  const W* w_attn = reinterpret_cast<const W*>(a.v[F_w_attn]);
+  W* w_h2 = reinterpret_cast<W*>(a.v[F_w_h2]);
+  W* w_act = reinterpret_cast<W*>(a.v[F_w_act]);
+  W* w_y = reinterpret_cast<W*>(a.v[F_w_y]);
+  long long* trace = reinterpret_cast<long long*>(a.v[F_trace]);
   const int total_ws = 4 * L;
-  Ring r{ring_bytes, 0, 0, 0, 0, {0}, {0}, 0};
-  unsigned barriers = 0;
+  __shared__ __align__(8) uint64_t bars[RING_SLOTS];
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < RING_SLOTS; ++i) mbar_init(bars + i);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  Ring r{ring_bytes, 0, 0, 0, 0, {0}, {0}, 0, 0u, bars, tab};
+  // what stays the same for every layer: the pointer table, the position's cos / sin, the attention item
+  Ctx cx;
+  {
+    const int64_t i64 = a.v[F_idx64];
+    const int seq = (int)ld_idx(a.v[F_seq_lens], i64 & 1);
+    const int64_t pos = ld_idx(a.v[F_positions], i64 & 2);
+    const int Hk = a.v[F_kv_heads], S = a.v[F_splits];
+    const long long* lt = reinterpret_cast<const long long*>(a.v[F_layers]);
+    for (int i = threadIdx.x; i < L * NUM_LAYER_FIELDS; i += NT) tab[i] = __ldg(lt + i);
+    const float* csg = reinterpret_cast<const float*>(a.v[F_cos_sin]) + pos * a.v[F_stride_cs];
+    for (int i = threadIdx.x; i < 2 * (int)a.v[F_rot_half]; i += NT) cs[i] = __ldg(csg + i);
+    cx.cs = cs;
+    cx.row = ld_idx(a.v[F_table_idx], i64 & 4);
+    cx.slot_new = ld_idx(a.v[F_out_loc], i64 & 8);
+    cx.last = seq - 1;
+    const int item = blockIdx.x;
+    cx.split = item < Hk * S ? item % S : -1;
+    cx.kvh = item / S;
+    const int chunk = (seq + S - 1) / S;
+    cx.start = cx.split * chunk;
+    cx.end = min(cx.start + chunk, seq);
+    constexpr int KPW = 32 / LPK;
+    const int* pt = reinterpret_cast<const int*>(a.v[F_page_table]) + cx.row * a.v[F_stride_pt];
+#pragma unroll
+    for (int rr = 0; rr < PRE_ROUNDS; ++rr) {
+      const int t = cx.start + (rr * NW + warp) * KPW + lane / LPK;
+      cx.pslot[rr] = cx.split >= 0 && t < cx.end && t != cx.last ? __ldcg(pt + t) : -1;
+    }
+  }
+  __syncthreads();
+  // this launch's tags: base + layer + 1, base advanced by L at the end of every launch
+  unsigned base;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(base) : "l"(ctr) : "memory");
+  // the trace's tail: per block (clock64, globaltimer) at the start and at the end, to convert cycles
+  long long* tail = trace && threadIdx.x == 0 ? trace + (size_t)gridDim.x * L * STAGES * POINTS + blockIdx.x * 4 : nullptr;
+  if (tail) tail[0] = clock64(), tail[1] = globaltimer();
 
   for (int layer = 0; layer < L; ++layer) {
-    const int64_t* lp = reinterpret_cast<const int64_t*>(a.v[F_layers]) + layer * NUM_LAYER_FIELDS;
-    // qkv
+    const int64_t* lp = tab + layer * NUM_LAYER_FIELDS;
+    const unsigned tag = base + layer + 1;
+    long long* tr = trace && threadIdx.x == 0 ? trace + ((size_t)blockIdx.x * L + layer) * STAGES * POINTS : nullptr;
+#define MARK(stage, point) \
+  if (tr) tr[(stage) * POINTS + (point)] = clock64()
+    // qkv: h = y + h2 (x on the first layer), normalised into vec
+    MARK(0, 0);
     ring_issue<T>(r, a, ring, total_ws);
-    wait_for(ctr, barriers * gridDim.x);
-    if (layer == 0) {
-      normed_row<T>(reinterpret_cast<const T*>(a.v[F_x_in]), nullptr, nullptr, (const T*)lp[L_IN_NORM], H, a.eps,
-                    vec, red);
-    } else {
-      normed_row<T>(y, h2, blockIdx.x == 0 ? h : nullptr, (const T*)lp[L_IN_NORM], H, a.eps, vec, red);
-    }
+    MARK(0, 1);
+    stage_row(nwt, (const T*)lp[L_IN_NORM], H * (int)sizeof(T));
     {
-      Stage s = stage_of<T>(a, 4 * layer + K_QKV, ring_bytes);
-      const char* sm = ring_front(r, ring);
-      const T* bias = (const T*)lp[L_QKV_BIAS];
-      for (int u = warp; u < s.n; u += NW) {
-        const bool pre = u < s.npre;
-        const char* rowp = pre ? sm + (size_t)u * s.k * sizeof(T) : s.w + (size_t)(s.u0 + u) * s.k * sizeof(T);
-        float v = row_dot<T>(rowp, pre, vec, s.k, lane);
-        if (lane == 0) {
-          if (bias) v += tof<T>(bias[s.u0 + u]);
-          qkv[s.u0 + u] = fromf<T>(v);
+      float ss = 0.f;
+      if (layer == 0) {
+        constexpr int E = Vec<T>::N;
+        const T* x = reinterpret_cast<const T*>(a.v[F_x_in]);
+        for (int c = threadIdx.x; c < H / E; c += NT) {
+          const uint4 u = ld_cg(x + c * E);
+          *reinterpret_cast<uint4*>(hs + c * E) = u;
+          float f[E];
+          unpack<T>(u, f);
+#pragma unroll
+          for (int e = 0; e < E; ++e) ss += f[e] * f[e];
         }
+      } else {
+        ss = gather_words<T>(w_y, H, tag - 1, h2s, hs);
       }
+      norm_into<T>(hs, ss, nwt, H, a.eps, vec, red);
+    }
+    MARK(0, 2);
+    {
+      Stage s = stage_of<T>(a, tab, 4 * layer + K_QKV, ring_bytes);
+      const char* sm = ring_front(r, ring);
+      MARK(0, 3);
+      const T* bias = (const T*)lp[L_QKV_BIAS];
+      stage_rows<T>(s, sm, vec, [&](int u, float v) {
+        if (bias) v += tof<T>(bias[s.u0 + u]);
+        st_word(w_qkv + s.u0 + u, fromf<T>(v), tag);
+      });
       ring_pop(r);
     }
-    arrive(ctr);
-    ++barriers;
+    MARK(0, 4);
     // attention
+    MARK(1, 0);
     ring_issue<T>(r, a, ring, total_ws);
-    wait_for(ctr, barriers * gridDim.x);
-    attend<T, LPK, GM>(a, layer, scratch, red);
-    arrive(ctr);
-    ++barriers;
-    // o
+    MARK(1, 1);
+    attend<T, LPK, GM>(a, cx, lp, layer, tag, scratch, nwt, tr ? tr + 1 * POINTS : nullptr);
+    __syncthreads();  // the scratch is free again
+    MARK(1, 4);
+    // o: h2 = o + h
+    MARK(2, 0);
     ring_issue<T>(r, a, ring, total_ws);
-    wait_for(ctr, barriers * gridDim.x);
-    plain_row<T>(reinterpret_cast<const T*>(a.v[F_attn]), Hq * D, vec);
+    MARK(2, 1);
+    gather_words<T>(w_attn, Hq * D, tag, nullptr, vec);
+    __syncthreads();
+    MARK(2, 2);
     {
-      const T* hin = layer == 0 ? reinterpret_cast<const T*>(a.v[F_x_in]) : h;
-      Stage s = stage_of<T>(a, 4 * layer + K_O, ring_bytes);
+      Stage s = stage_of<T>(a, tab, 4 * layer + K_O, ring_bytes);
       const char* sm = ring_front(r, ring);
-      for (int u = warp; u < s.n; u += NW) {
-        const bool pre = u < s.npre;
-        const char* rowp = pre ? sm + (size_t)u * s.k * sizeof(T) : s.w + (size_t)(s.u0 + u) * s.k * sizeof(T);
-        float v = row_dot<T>(rowp, pre, vec, s.k, lane);
-        if (lane == 0) h2[s.u0 + u] = fromf<T>(rnd<T>(v) + ldcg_f(hin + s.u0 + u));
-      }
+      MARK(2, 3);
+      stage_rows<T>(s, sm, vec, [&](int u, float v) {
+        const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[s.u0 + u]));
+        st_word(w_h2 + s.u0 + u, o, tag);
+        h2[s.u0 + u] = o;
+      });
       ring_pop(r);
     }
-    arrive(ctr);
-    ++barriers;
-    // gate / up
+    MARK(2, 4);
+    // gate / up: h2 gathered (kept for the next layer's residual) and normalised into vec
+    MARK(3, 0);
     ring_issue<T>(r, a, ring, total_ws);
-    wait_for(ctr, barriers * gridDim.x);
-    normed_row<T>(h2, nullptr, nullptr, (const T*)lp[L_POST_NORM], H, a.eps, vec, red);
+    MARK(3, 1);
+    stage_row(nwt, (const T*)lp[L_POST_NORM], H * (int)sizeof(T));
     {
-      Stage s = stage_of<T>(a, 4 * layer + K_GU, ring_bytes);
+      const float ss = gather_words<T>(w_h2, H, tag, nullptr, h2s);
+      norm_into<T>(h2s, ss, nwt, H, a.eps, vec, red);
+    }
+    MARK(3, 2);
+    {
+      Stage s = stage_of<T>(a, tab, 4 * layer + K_GU, ring_bytes);
       const char* sm = ring_front(r, ring);
+      MARK(3, 3);
+      // the ring holds the gate rows, then the up rows
       const size_t row_bytes = (size_t)s.k * sizeof(T);
       for (int u = warp; u < s.n; u += NW) {
         const bool pre = u < s.npre;
-        const char* gp = pre ? sm + 2 * u * row_bytes : s.w + (size_t)(s.u0 + u) * row_bytes;
-        const char* up = pre ? gp + row_bytes : s.w + (size_t)(s.u0 + u + I) * row_bytes;
-        const float g = rnd<T>(row_dot<T>(gp, pre, vec, s.k, lane));
-        const float uv = rnd<T>(row_dot<T>(up, pre, vec, s.k, lane));
-        if (lane == 0) act[s.u0 + u] = fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv);
+        const char* gp = pre ? sm + u * row_bytes : s.w + (size_t)(s.u0 + u) * row_bytes;
+        const char* up = pre ? sm + (s.npre + u) * row_bytes : s.w + (size_t)(s.u0 + u + I) * row_bytes;
+        float g, uv;
+        row_dot2<T>(gp, pre, up, pre, vec, s.k, lane, g, uv);
+        g = rnd<T>(g);
+        uv = rnd<T>(uv);
+        if (lane == 0) st_word(w_act + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
       }
       ring_pop(r);
     }
-    arrive(ctr);
-    ++barriers;
-    // down
+    MARK(3, 4);
+    // down: y
+    MARK(4, 0);
     ring_issue<T>(r, a, ring, total_ws);
-    wait_for(ctr, barriers * gridDim.x);
-    plain_row<T>(act, I, vec);
+    MARK(4, 1);
+    gather_words<T>(w_act, I, tag, nullptr, vec);
+    __syncthreads();
+    MARK(4, 2);
     {
-      Stage s = stage_of<T>(a, 4 * layer + K_DOWN, ring_bytes);
+      Stage s = stage_of<T>(a, tab, 4 * layer + K_DOWN, ring_bytes);
       const char* sm = ring_front(r, ring);
-      for (int u = warp; u < s.n; u += NW) {
-        const bool pre = u < s.npre;
-        const char* rowp = pre ? sm + (size_t)u * s.k * sizeof(T) : s.w + (size_t)(s.u0 + u) * s.k * sizeof(T);
-        float v = row_dot<T>(rowp, pre, vec, s.k, lane);
-        if (lane == 0) y[s.u0 + u] = fromf<T>(v);
-      }
+      MARK(4, 3);
+      stage_rows<T>(s, sm, vec, [&](int u, float v) {
+        const T o = fromf<T>(v);
+        st_word(w_y + s.u0 + u, o, tag);
+        y[s.u0 + u] = o;
+      });
       ring_pop(r);
     }
-    if (layer + 1 < L) {
-      arrive(ctr);
-      ++barriers;
-    }
+    MARK(4, 4);
+#undef MARK
   }
-  // the last block out resets the counters for the next launch (every block is past its last wait)
+  if (tail) tail[2] = clock64(), tail[3] = globaltimer();
+  // the last block out advances the tags' base for the next launch (every block has read it by then)
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
-      const int Hk = a.v[F_kv_heads];
-      ctr[0] = 0;
       ctr[1] = 0;
-      for (int i = 0; i < Hk; ++i) ctr[2 + i] = 0;
+      ctr[0] = base + L;
       __threadfence();
     }
   }
@@ -662,6 +981,8 @@ int minisgl_step_prepare(int smem) {
 const char* minisgl_step_fields() { return kFieldNames; }
 int minisgl_step_threads() { return NT; }
 int minisgl_step_max_group() { return MAXG; }
+int minisgl_step_max_splits() { return MAXS; }
+int minisgl_step_trace_points() { return STAGES * POINTS; }
 
 // dtype: 0 float32, 1 bfloat16
 int minisgl_decode_step(const int64_t* fields, float eps, float scale_log2, int dtype, int grid, int smem,
