@@ -17,9 +17,9 @@
 // every projection stage, so each buffer's next write depends (through the layer's chain) on every reader
 // of its last write having read it.
 //
-// Weights never depend on the step, so each block copies its rows of the next weight stages into a ring
-// of shared memory (bulk copies on mbarriers) as soon as the ring has room, before it waits for its inputs: the weight
-// stream runs while the blocks wait for each other and while attention runs. Rows past 3/5 of the
+// Weights never depend on the step, so each block's last warp does nothing but copy the block's rows of
+// the next weight stages into a ring of shared memory (bulk copies on mbarriers) as soon as the ring has
+// room: the weight stream runs while the other fifteen warps wait for their inputs, compute and attend. Rows past 3/5 of the
 // ring are read from global memory at compute time. Attention loads its first keys from the KV
 // cache (written by earlier steps) before its q arrives.
 //
@@ -34,6 +34,8 @@ namespace {
 
 constexpr int NT = 512;
 constexpr int NW = NT / 32;
+constexpr int CT = NT - 32;   // the compute threads: every warp but the last, which issues the weight copies
+constexpr int CW = CT / 32;
 constexpr int MAXG = 8;        // query heads per KV head, at most
 constexpr int MAXS = NW;       // KV splits, at most
 constexpr int RING_SLOTS = 4;
@@ -106,10 +108,10 @@ __device__ __forceinline__ void cp16(void* dst, const void* src) {
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // bytes (a multiple of 16) of a row into shared memory, by the whole block
 __device__ __forceinline__ void stage_row(void* dst, const void* src, int bytes) {
-  for (int c = threadIdx.x; c < bytes / 16; c += NT) cp16((char*)dst + c * 16, (const char*)src + c * 16);
+  for (int c = threadIdx.x; c < bytes / 16; c += CT) cp16((char*)dst + c * 16, (const char*)src + c * 16);
 }
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(bar)) : "memory");
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(bar)), "r"(count) : "memory");
 }
 // one arrival (this thread's) that also expects `bytes` of copies on the barrier's current phase
 __device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
@@ -132,6 +134,9 @@ __device__ __forceinline__ long long globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+// a barrier of the compute warps (the copy warp never joins one)
+__device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -240,7 +245,7 @@ __device__ __forceinline__ void gate(const W* src, int n, unsigned tag) {
       spin(t0);
     }
   }
-  __syncthreads();
+  csync();
 }
 
 // ---- weight stages and the shared-memory ring ----------------------------------------------------------
@@ -284,57 +289,58 @@ __device__ Stage stage_of(const Args& a, const int64_t* tab, int ws, int ring_by
   return s;
 }
 
-// every thread holds the same copy of this state: allocations are decided identically everywhere
+// The ring: weight stage ws lives in slot ws % RING_SLOTS, at an offset the copy warp chose (slot_off). The
+// copy warp (one lane) issues the stages in order, each as one bulk copy per contiguous run of rows (a
+// stage's rows are one run; gate/up's two, the gate rows then the up rows) completed on the slot's "full"
+// mbarrier; it takes room back in order as the compute warps release stages on the slot's "empty" mbarrier
+// (one arrival a warp). No compute warp ever waits for a copy to be issued.
 struct Ring {
-  int bytes, head, used, live, next;  // next: the next weight stage to issue
-  int off[RING_SLOTS], size[RING_SLOTS];
-  int first;     // FIFO index of the oldest live slot
-  unsigned par;  // bit i: the parity slot i's barrier completes next
-  uint64_t* bar; // RING_SLOTS mbarriers in shared memory
-  const int64_t* tab;
+  uint64_t* full;
+  uint64_t* empty;
+  int* slot_off;
 };
 
-// issues the next weight stages while the ring has room: thread 0 starts one bulk copy per contiguous run of
-// rows (a stage's rows are one run; gate/up's are two, the gate rows then the up rows), completed on the
-// slot's mbarrier, so no thread waits for the copies until it needs them
 template <typename T>
-__device__ void ring_issue(Ring& r, const Args& a, char* ring, int total_ws) {
-  while (r.next < total_ws && r.live < RING_SLOTS) {
-    Stage s = stage_of<T>(a, r.tab, r.next, r.bytes);
-    int pad = (r.head + s.bytes > r.bytes) ? r.bytes - r.head : 0;
-    if (r.used + pad + s.bytes > r.bytes) break;
-    int off = pad ? 0 : r.head;
-    const int slot = (r.first + r.live) % RING_SLOTS;
-    if (threadIdx.x == 0) {
-      mbar_expect(r.bar + slot, s.bytes);
-      if (s.bytes) {
-        const size_t row_bytes = (size_t)s.k * sizeof(T);
-        const unsigned run = (unsigned)(s.npre * row_bytes);
-        bulk_copy(ring + off, s.w + s.u0 * row_bytes, run, r.bar + slot);
-        if (s.pair_offset) bulk_copy(ring + off + run, s.w + (s.u0 + s.pair_offset) * row_bytes, run, r.bar + slot);
-      }
+__device__ void copy_weights(const Args& a, const int64_t* tab, char* ring, int ring_bytes, const Ring& r, int total_ws) {
+  int head = 0, used = 0, rel = 0;  // rel: the oldest stage not yet released
+  int size[RING_SLOTS];
+  for (int ws = 0; ws < total_ws; ++ws) {
+    const Stage s = stage_of<T>(a, tab, ws, ring_bytes);
+    const int slot = ws % RING_SLOTS;
+    for (;;) {
+      const int pad = (head + s.bytes > ring_bytes) ? ring_bytes - head : 0;
+      if (ws - rel < RING_SLOTS && used + pad + s.bytes <= ring_bytes) break;
+      mbar_wait(r.empty + rel % RING_SLOTS, (rel / RING_SLOTS) & 1);
+      used -= size[rel % RING_SLOTS];
+      if (++rel == ws) head = 0, used = 0;
     }
-    r.off[slot] = off;
-    r.size[slot] = pad + s.bytes;
-    r.head = off + s.bytes;
-    r.used += pad + s.bytes;
-    r.live++;
-    r.next++;
+    const int pad = (head + s.bytes > ring_bytes) ? ring_bytes - head : 0;
+    const int off = pad ? 0 : head;
+    r.slot_off[slot] = off;
+    size[slot] = pad + s.bytes;
+    head = off + s.bytes;
+    used += pad + s.bytes;
+    mbar_expect(r.full + slot, s.bytes);  // releases slot_off to the warps that wait on the slot
+    if (s.bytes) {
+      const size_t row_bytes = (size_t)s.k * sizeof(T);
+      const unsigned run = (unsigned)(s.npre * row_bytes);
+      bulk_copy(ring + off, s.w + s.u0 * row_bytes, run, r.full + slot);
+      if (s.pair_offset) bulk_copy(ring + off + run, s.w + (s.u0 + s.pair_offset) * row_bytes, run, r.full + slot);
+    }
   }
 }
 
-// the oldest live stage's rows, in shared memory: waits for its copies
-__device__ char* ring_front(Ring& r, char* ring) {
-  mbar_wait(r.bar + r.first, (r.par >> r.first) & 1u);
-  r.par ^= 1u << r.first;
-  return ring + r.off[r.first];
+// stage ws's rows in shared memory: waits for its copies
+__device__ __forceinline__ const char* ring_front(const Ring& r, const char* ring, int ws) {
+  mbar_wait(r.full + ws % RING_SLOTS, (ws / RING_SLOTS) & 1);
+  return ring + r.slot_off[ws % RING_SLOTS];
 }
-__device__ void ring_pop(Ring& r) {
-  __syncthreads();  // every thread is done reading the slot
-  r.used -= r.size[r.first];
-  r.first = (r.first + 1) % RING_SLOTS;
-  r.live--;
-  if (r.live == 0) r.head = 0, r.used = 0;
+// this warp is done with stage ws's rows
+__device__ __forceinline__ void ring_release(const Ring& r, int ws) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(r.empty + ws % RING_SLOTS)) : "memory");
+  }
 }
 
 // one row of W (in shared memory or global) times vec (shared memory, T), summed over the warp: each lane
@@ -394,8 +400,8 @@ template <typename T, typename F>
 __device__ __forceinline__ void stage_rows(const Stage& s, const char* sm, const T* vec, F&& out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const size_t rb = (size_t)s.k * sizeof(T);
-  for (int u = warp; u < s.n; u += 2 * NW) {
-    const int u2 = u + NW;
+  for (int u = warp; u < s.n; u += 2 * CW) {
+    const int u2 = u + CW;
     const bool p0 = u < s.npre, p1 = u2 < s.npre;
     const char* r0 = p0 ? sm + u * rb : s.w + (s.u0 + u) * rb;
     if (u2 < s.n) {
@@ -414,10 +420,10 @@ __device__ __forceinline__ void stage_rows(const Stage& s, const char* sm, const
 __device__ float block_sum(float x, float* red) {
   x = warp_sum(x);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();
+  csync();
   if (lane == 0) red[warp] = x;
-  __syncthreads();
-  float t = lane < NW ? red[lane] : 0.f;
+  csync();
+  float t = lane < CW ? red[lane] : 0.f;
   return warp_sum(t);
 }
 
@@ -427,7 +433,7 @@ __device__ float gather_words(const typename Word<T>::W* src, int n, unsigned ta
   constexpr int P = Word<T>::PER;
   gate(src, n, tag);
   float ss = 0.f;
-  for (int c = threadIdx.x; c < n / P; c += NT) {
+  for (int c = threadIdx.x; c < n / P; c += CT) {
     float f[P];
     ld_words(src + c * P, tag, f);
 #pragma unroll
@@ -447,8 +453,8 @@ template <typename T>
 __device__ void norm_into(const T* row, float ss, const T* w, int k, float eps, T* vec, float* red) {
   cp_wait_all();
   const float rstd = rsqrtf(block_sum(ss, red) / k + eps);
-  for (int i = threadIdx.x; i < k; i += NT) vec[i] = fromf<T>(rnd<T>(tof<T>(w[i]) * rnd<T>(tof<T>(row[i]) * rstd)));
-  __syncthreads();
+  for (int i = threadIdx.x; i < k; i += CT) vec[i] = fromf<T>(rnd<T>(tof<T>(w[i]) * rnd<T>(tof<T>(row[i]) * rstd)));
+  csync();
 }
 
 // ---- attention ---------------------------------------------------------------------------------------------
@@ -491,7 +497,7 @@ struct Ctx {
 
 // the attention scratch (floats), as step_kernel.py sizes it:
 //   src [(group + 2) * D]  q heads, k, v of the KV head as read; qs [group * D] rotated q; knew [D];
-//   tmp [(group + 1) * D]; then either the warps' partials (wm, wl [NW * MAXG], wacc [NW * group * D]) or
+//   tmp [(group + 1) * D]; then either the warps' partials (wm, wl [NW * MAXG], wacc [CW * group * D]) or
 //   the merge's splits (mo [group * S * D], ml [group * S])
 template <typename T, int LPK, int GM>
 __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int layer, unsigned tag, float* sm,
@@ -546,7 +552,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     const W* qkv = reinterpret_cast<const W*>(a.v[F_w_qkv]);
     gate(qkv + kvh * group * D, group * D, tag);
     const int nq = group * D / P, nk = D / P;
-    for (int c = threadIdx.x; c < nq + 2 * nk; c += NT) {
+    for (int c = threadIdx.x; c < nq + 2 * nk; c += CT) {
       int off;
       if (c < nq) off = kvh * group * D + c * P;
       else if (c < nq + nk) off = (Hq + kvh) * D + (c - nq) * P;
@@ -555,13 +561,13 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     }
   }
   cp_wait_all();
-  __syncthreads();
+  csync();
   if (start < end) {
     const float* cs = cx.cs;
     const int half = a.v[F_rot_half];
     if (warp < group) {
       rope_head<T>(src + warp * D, qn ? nwt : nullptr, a.eps, cs, half, D, tmp + warp * D, qs + warp * D, lane);
-    } else if (warp == NW - 1 && end == last + 1) {  // this split holds the new key: rotate it, store it and v
+    } else if (warp == CW - 1 && end == last + 1) {  // this split holds the new key: rotate it, store it and v
       const int64_t slot = cx.slot_new;
       rope_head<T>(src + group * D, kn ? nwt + D : nullptr, a.eps, cs, half, D, tmp + group * D, knew, lane);
       T* kdst = reinterpret_cast<T*>(kc + slot * skt + kvh * skh);
@@ -572,7 +578,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
       }
     }
   }
-  __syncthreads();
+  csync();
   if (tr && threadIdx.x == 0) tr[2] = clock64();
 
   if (start < end) {
@@ -620,10 +626,10 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     };
 #pragma unroll
     for (int r = 0; r < PRE_ROUNDS; ++r) {
-      const int t0 = start + (r * NW + warp) * KPW;
+      const int t0 = start + (r * CW + warp) * KPW;
       if (t0 < end) key(t0 + sub, kp[r], vp[r]);
     }
-    for (int t0 = start + (PRE_ROUNDS * NW + warp) * KPW; t0 < end; t0 += NW * KPW) {
+    for (int t0 = start + (PRE_ROUNDS * CW + warp) * KPW; t0 < end; t0 += CW * KPW) {
       const int t = t0 + sub;
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
       if (t < end && t != last) {
@@ -663,13 +669,13 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
         }
       }
     }
-    __syncthreads();
-    for (int t = threadIdx.x; t < group * D; t += NT) {
+    csync();
+    for (int t = threadIdx.x; t < group * D; t += CT) {
       const int g = t / D, d = t - g * D;
       float mx = -INFINITY;
-      for (int w = 0; w < NW; ++w) mx = fmaxf(mx, wm[w * MAXG + g]);
+      for (int w = 0; w < CW; ++w) mx = fmaxf(mx, wm[w * MAXG + g]);
       float tot = 0.f, o = 0.f;
-      for (int w = 0; w < NW; ++w) {
+      for (int w = 0; w < CW; ++w) {
         const float lw = wl[w * MAXG + g];
         if (lw > 0.f) {
           const float f = exp2f(wm[w * MAXG + g] - mx);
@@ -682,7 +688,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
       if (d == 0) st_word(part_lse + head * S + split, mx + log2f(tot), tag);
     }
   } else {  // an empty split: zeros, and a log-sum of -inf
-    for (int t = threadIdx.x; t < group * D; t += NT) {
+    for (int t = threadIdx.x; t < group * D; t += CT) {
       const int g = t / D, d = t - g * D, head = kvh * group + g;
       st_word(part_o + ((size_t)head * S + split) * D + d, 0.f, tag);
       if (d == 0) st_word(part_lse + head * S + split, -INFINITY, tag);
@@ -692,11 +698,11 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
   if (split != 0) return;
 
   // split 0 merges the group's splits: every split's words in one pass, then the weighted sum
-  __syncthreads();  // wm.. is reused
+  csync();  // wm.. is reused
   float* mo = wm;                   // [group][S][D]
   float* ml = mo + group * S * D;   // [group][S]
   const int nvo = group * S * D / 2;
-  for (int c = threadIdx.x; c < nvo + group * S; c += NT) {
+  for (int c = threadIdx.x; c < nvo + group * S; c += CT) {
     if (c < nvo) {
       const int g = c / (S * D / 2), rest = c - g * (S * D / 2);
       ld_words(part_o + (size_t)(kvh * group + g) * S * D + rest * 2, tag, mo + c * 2);
@@ -705,9 +711,9 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
       ml[j] = ld_word(part_lse + (kvh * group + g) * S + s, tag);
     }
   }
-  __syncthreads();
+  csync();
   W* attn = reinterpret_cast<W*>(a.v[F_w_attn]);
-  for (int t = threadIdx.x; t < group * D; t += NT) {
+  for (int t = threadIdx.x; t < group * D; t += CT) {
     const int g = t / D, d = t - g * D;
     float mx = -INFINITY;
     for (int s = 0; s < S; ++s) mx = fmaxf(mx, ml[g * S + s]);
@@ -742,7 +748,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
   const int tab_n = (L * NUM_LAYER_FIELDS + 1) / 2 * 2;
   float* cs = reinterpret_cast<float*>(tab + tab_n);  // [D] cos / sin of the position
   float* scratch = cs + D;
-  float* red = scratch + a.v[F_scratch_floats];  // NW floats
+  float* red = scratch + a.v[F_scratch_floats];  // CW floats
   unsigned* ctr = reinterpret_cast<unsigned*>(a.v[F_counters]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   T* h2 = reinterpret_cast<T*>(a.v[F_h2]);
@@ -754,13 +760,13 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
   W* w_y = reinterpret_cast<W*>(a.v[F_w_y]);
   long long* trace = reinterpret_cast<long long*>(a.v[F_trace]);
   const int total_ws = 4 * L;
-  __shared__ __align__(8) uint64_t bars[RING_SLOTS];
+  __shared__ __align__(8) uint64_t full[RING_SLOTS], empty[RING_SLOTS];
+  __shared__ int slot_off[RING_SLOTS];
   if (threadIdx.x == 0) {
-    for (int i = 0; i < RING_SLOTS; ++i) mbar_init(bars + i);
+    for (int i = 0; i < RING_SLOTS; ++i) mbar_init(full + i, 1), mbar_init(empty + i, CW);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
-  Ring r{ring_bytes, 0, 0, 0, 0, {0}, {0}, 0, 0u, bars, tab};
+  const Ring r{full, empty, slot_off};
   // what stays the same for every layer: the pointer table, the position's cos / sin, the attention item
   Ctx cx;
   {
@@ -786,11 +792,15 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     const int* pt = reinterpret_cast<const int*>(a.v[F_page_table]) + cx.row * a.v[F_stride_pt];
 #pragma unroll
     for (int rr = 0; rr < PRE_ROUNDS; ++rr) {
-      const int t = cx.start + (rr * NW + warp) * KPW + lane / LPK;
+      const int t = cx.start + (rr * CW + warp) * KPW + lane / LPK;
       cx.pslot[rr] = cx.split >= 0 && t < cx.end && t != cx.last ? __ldcg(pt + t) : -1;
     }
   }
   __syncthreads();
+  if (warp == CW) {  // the copy warp: one lane streams every weight stage into the ring, then leaves
+    if (lane == 0) copy_weights<T>(a, tab, ring, ring_bytes, r, total_ws);
+    return;
+  }
   // this launch's tags: base + layer + 1, base advanced by L at the end of every launch
   unsigned base;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(base) : "l"(ctr) : "memory");
@@ -806,7 +816,6 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
   if (tr) tr[(stage) * POINTS + (point)] = clock64()
     // qkv: h = y + h2 (x on the first layer), normalised into vec
     MARK(0, 0);
-    ring_issue<T>(r, a, ring, total_ws);
     MARK(0, 1);
     stage_row(nwt, (const T*)lp[L_IN_NORM], H * (int)sizeof(T));
     {
@@ -814,7 +823,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       if (layer == 0) {
         constexpr int E = Vec<T>::N;
         const T* x = reinterpret_cast<const T*>(a.v[F_x_in]);
-        for (int c = threadIdx.x; c < H / E; c += NT) {
+        for (int c = threadIdx.x; c < H / E; c += CT) {
           const uint4 u = ld_cg(x + c * E);
           *reinterpret_cast<uint4*>(hs + c * E) = u;
           float f[E];
@@ -830,45 +839,44 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     MARK(0, 2);
     {
       Stage s = stage_of<T>(a, tab, 4 * layer + K_QKV, ring_bytes);
-      const char* sm = ring_front(r, ring);
+      const char* sm = ring_front(r, ring, 4 * layer + K_QKV);
       MARK(0, 3);
       const T* bias = (const T*)lp[L_QKV_BIAS];
       stage_rows<T>(s, sm, vec, [&](int u, float v) {
         if (bias) v += tof<T>(bias[s.u0 + u]);
         st_word(w_qkv + s.u0 + u, fromf<T>(v), tag);
       });
-      ring_pop(r);
+      ring_release(r, 4 * layer + K_QKV);
+      csync();  // vec is rewritten next
     }
     MARK(0, 4);
     // attention
     MARK(1, 0);
-    ring_issue<T>(r, a, ring, total_ws);
     MARK(1, 1);
     attend<T, LPK, GM>(a, cx, lp, layer, tag, scratch, nwt, tr ? tr + 1 * POINTS : nullptr);
-    __syncthreads();  // the scratch is free again
+    csync();  // the scratch is free again
     MARK(1, 4);
     // o: h2 = o + h
     MARK(2, 0);
-    ring_issue<T>(r, a, ring, total_ws);
     MARK(2, 1);
     gather_words<T>(w_attn, Hq * D, tag, nullptr, vec);
-    __syncthreads();
+    csync();
     MARK(2, 2);
     {
       Stage s = stage_of<T>(a, tab, 4 * layer + K_O, ring_bytes);
-      const char* sm = ring_front(r, ring);
+      const char* sm = ring_front(r, ring, 4 * layer + K_O);
       MARK(2, 3);
       stage_rows<T>(s, sm, vec, [&](int u, float v) {
         const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[s.u0 + u]));
         st_word(w_h2 + s.u0 + u, o, tag);
         h2[s.u0 + u] = o;
       });
-      ring_pop(r);
+      ring_release(r, 4 * layer + K_O);
+      csync();  // vec is rewritten next
     }
     MARK(2, 4);
     // gate / up: h2 gathered (kept for the next layer's residual) and normalised into vec
     MARK(3, 0);
-    ring_issue<T>(r, a, ring, total_ws);
     MARK(3, 1);
     stage_row(nwt, (const T*)lp[L_POST_NORM], H * (int)sizeof(T));
     {
@@ -878,11 +886,11 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     MARK(3, 2);
     {
       Stage s = stage_of<T>(a, tab, 4 * layer + K_GU, ring_bytes);
-      const char* sm = ring_front(r, ring);
+      const char* sm = ring_front(r, ring, 4 * layer + K_GU);
       MARK(3, 3);
       // the ring holds the gate rows, then the up rows
       const size_t row_bytes = (size_t)s.k * sizeof(T);
-      for (int u = warp; u < s.n; u += NW) {
+      for (int u = warp; u < s.n; u += CW) {
         const bool pre = u < s.npre;
         const char* gp = pre ? sm + u * row_bytes : s.w + (size_t)(s.u0 + u) * row_bytes;
         const char* up = pre ? sm + (s.npre + u) * row_bytes : s.w + (size_t)(s.u0 + u + I) * row_bytes;
@@ -892,26 +900,27 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
         uv = rnd<T>(uv);
         if (lane == 0) st_word(w_act + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
       }
-      ring_pop(r);
+      ring_release(r, 4 * layer + K_GU);
+      csync();  // vec is rewritten next
     }
     MARK(3, 4);
     // down: y
     MARK(4, 0);
-    ring_issue<T>(r, a, ring, total_ws);
     MARK(4, 1);
     gather_words<T>(w_act, I, tag, nullptr, vec);
-    __syncthreads();
+    csync();
     MARK(4, 2);
     {
       Stage s = stage_of<T>(a, tab, 4 * layer + K_DOWN, ring_bytes);
-      const char* sm = ring_front(r, ring);
+      const char* sm = ring_front(r, ring, 4 * layer + K_DOWN);
       MARK(4, 3);
       stage_rows<T>(s, sm, vec, [&](int u, float v) {
         const T o = fromf<T>(v);
         st_word(w_y + s.u0 + u, o, tag);
         y[s.u0 + u] = o;
       });
-      ring_pop(r);
+      ring_release(r, 4 * layer + K_DOWN);
+      csync();  // vec is rewritten next
     }
     MARK(4, 4);
 #undef MARK
