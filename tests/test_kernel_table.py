@@ -452,3 +452,33 @@ def test_kernel_tables_run_their_steady_states_in_one_session_on_a_cpu(tiny_mode
     assert tables[0].meta["mean_keys"] == 12 + 5 + 1 + (profile_step.PROFILE_STEPS - 1) / 2
     assert "batch 3 (graph of 4)" in tables[0].title
     assert [t["batch"] for t in json.loads(out.read_text())] == [3, 1]
+
+
+def test_step_trace_table_reads_phases_in_microseconds_at_the_traces_own_clock():
+    """profile_step --step-trace's report on hand-made clock readings: 2 GHz (from the blocks' clock64 /
+    globaltimer pairs), per stage phases of 1, 2, 0.5 and 3 or 5 us; a block that recorded no attention
+    points is left out of that stage; torch's median takes the lower middle of an even count."""
+    from minisgl.benchmark.profile_step import stage_table
+
+    ghz, us = 2.0, 2000  # cycles a microsecond
+    stages = torch.zeros(1, 2, 2, 5, 5, dtype=torch.int64)
+    for b, compute in ((0, 3.0), (1, 5.0)):
+        t = 1000 + b * 7
+        for layer in range(2):
+            for st in range(5):
+                for p, d in enumerate((0.0, 1.0, 2.0, 0.5, compute)):
+                    t += int(d * us)
+                    stages[0, b, layer, st, p] = t
+    stages[0, 1, :, 1, 2:4] = 0  # block 1 has no attention work item
+    tail = torch.tensor(
+        [[[1000, 500, 1000 + int(ghz * 10_000), 10_500], [5000, 600, 5000 + int(ghz * 9_000), 9_600]]]
+    )
+    lines = stage_table(stages, tail, context=600)
+    assert lines[0] == (
+        "one-kernel decode step, batch 1, 600 keys, 2 layers, 2 blocks: kernel 10.0 us (median of 1 steps, "
+        "globaltimer), SM clock 2.00 GHz"
+    )
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines[3:8]}
+    assert rows["qkv"] == "| qkv | 1.00 / 1.00 | 2.00 / 2.00 | 0.50 / 0.50 | 3.00 / 5.00 | 6.50 |"
+    assert rows["attention"] == "| attention | 1.00 / 1.00 | 2.00 / 2.00 | 0.50 / 0.50 | 3.00 / 3.00 | 6.50 |"
+    assert lines[-1] == "a layer, start to start: p50 32.50 us, p90 41.50 us"

@@ -317,19 +317,30 @@ def step_trace(args: argparse.Namespace) -> None:
         s.step()
         synchronize(s.device)
         stages, tail = step_kernel.trace_view(layers)
-        rows.append(stages.double())
-        spans.append(tail.double())
+        rows.append(stages)
+        spans.append(tail)
     _drain(s)
-    stages, tail = torch.stack(rows), torch.stack(spans)  # [steps, blocks, layers, 5, 5], [steps, blocks, 4]
+    for line in stage_table(torch.stack(rows), torch.stack(spans), args.context):
+        print(line)
+
+
+def stage_table(stages: torch.Tensor, tail: torch.Tensor, context: int) -> list[str]:
+    """The --step-trace report of clock readings stages [steps, blocks, layers, 5 stages, 5 points] and the
+    blocks' (clock64, globaltimer) pairs tail [steps, blocks, 4]: the kernel's span, the SM clock, then a
+    Markdown row per stage of each phase's p50 / p90 (over steps, blocks and layers; a block that recorded
+    no reading of a stage, i.e. zeros, is left out of that stage) and the layer's start-to-start time."""
+    stages, tail = stages.double(), tail.double()
     per_ns = ((tail[..., 2] - tail[..., 0]) / (tail[..., 3] - tail[..., 1])).median().item()
     kernel_us = ((tail[..., 3].amax(-1) - tail[..., 1].amin(-1)) / 1e3).median().item()
-    print(
-        f"one-kernel decode step, batch 1, {args.context} keys, {layers} layers, {stages.shape[1]} blocks: "
-        f"kernel {kernel_us:.1f} us (median of {args.steps} steps, globaltimer), SM clock {per_ns:.2f} GHz"
+    steps, blocks, layers = stages.shape[:3]
+    head = (
+        f"one-kernel decode step, batch 1, {context} keys, {layers} layers, {blocks} blocks: "
+        f"kernel {kernel_us:.1f} us (median of {steps} steps, globaltimer), SM clock {per_ns:.2f} GHz"
     )
+    lines = [head]
     phases = ("issue", "inputs", "weights", "compute")
-    print("| stage | " + " | ".join(f"{p} p50 / p90 us" for p in phases) + " | stage p50 us |")
-    print("| --- | " + " | ".join("---" for _ in phases) + " | --- |")
+    lines.append("| stage | " + " | ".join(f"{p} p50 / p90 us" for p in phases) + " | stage p50 us |")
+    lines.append("| --- | " + " | ".join("---" for _ in phases) + " | --- |")
     for i, name in enumerate(STAGE_NAMES):
         st = stages[:, :, :, i, :]
         valid = (st > 0).all(-1)  # blocks without attention work record no q / split points
@@ -338,11 +349,12 @@ def step_trace(args: argparse.Namespace) -> None:
             d = ((st[..., p + 1] - st[..., p]) / per_ns / 1e3)[valid]
             cells.append(f"{d.median().item():.2f} / {d.quantile(0.9).item():.2f}" if d.numel() else "-")
         total = ((st[..., 4] - st[..., 0]) / per_ns / 1e3)[valid]
-        print(f"| {name} | " + " | ".join(cells) + f" | {total.median().item():.2f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {total.median().item():.2f} |")
     layer = (stages[:, :, 1:, 0, 0] - stages[:, :, :-1, 0, 0]) / per_ns / 1e3
-    print(
+    lines.append(
         f"a layer, start to start: p50 {layer.median().item():.2f} us, p90 {layer.quantile(0.9).item():.2f} us"
     )
+    return lines
 
 
 def kernel_tables(args: argparse.Namespace) -> None:
