@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import random_stored_rows
+from helpers import CPU_KERNEL_VARIANTS, cpu_kernel_variant, random_stored_rows
 
 from minisgl.gguf import blocks
 from minisgl.gguf.stored import StoredPart, StoredWeight
@@ -95,3 +95,23 @@ def test_merged_parts_of_different_types_and_strided_rows():
         x = torch.randn(rows, 2 * k)[:, :k]  # row stride 2k
         expected = x.double() @ w.dequantize().double().T
         torch.testing.assert_close(stored_kernels.linear(x, w).double(), expected, atol=1e-3, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["native", *CPU_KERNEL_VARIANTS])
+def test_a_row_of_x_gets_the_same_bits_whatever_rows_go_with_it(variant, monkeypatch):
+    """A verify step multiplies up to 9 rows of x where a decode step multiplies one: each row's output must
+    be the bits it gets alone (the dot paths agree on every sum's order), or greedy speculation could part
+    from greedy decoding at a near-tie. Every type, a last K chunk shorter than 256, and a K long enough that
+    9 rows go over it in two spans."""
+    if variant != "native":
+        monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernel_variant(variant))
+    cases = [(name, 768 if blocks.STORED_TYPES[blocks.TYPE_IDS[name]][1] == 256 else 352) for name in BLOCK_TYPES]
+    for name, k in [*cases, ("Q4_1", 6144), ("Q6_K", 6144)]:
+        t = blocks.TYPE_IDS[name]
+        data = random_rows(name, 13, k, seed=k)
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+        alone = torch.cat([stored_kernels.linear(x[m : m + 1], StoredWeight([StoredPart(t, data, 13, k)])) for m in range(9)])
+        for rows in range(2, 10):
+            got = stored_kernels.linear(x[:rows], StoredWeight([StoredPart(t, data, 13, k)]))
+            assert torch.equal(got, alone[:rows]), f"{name}, K {k}, {rows} rows: a row's bits depend on the others"
