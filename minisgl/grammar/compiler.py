@@ -22,6 +22,7 @@ import psutil
 from minisgl.core import InvalidRequest
 from minisgl.utils import init_logger
 from minisgl.utils.hf import load_tokenizer
+from minisgl.utils.niced import run_niced
 
 logger = init_logger(__name__)
 
@@ -267,17 +268,15 @@ class _CompileWorker:
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        # compiling is background work: the model's steps (and the streams) come first, from the child's
+        # imports on (torch's among them: seconds of CPU, which at the service's priority paused streams)
         self.proc = ctx.Process(
-            target=_compile_process,
-            args=(self.info_json, child, os.getpid()),
+            target=run_niced,
+            args=(COMPILE_NICENESS, f"{__name__}:_compile_process", self.info_json, child, os.getpid()),
             name="minisgl-grammar",
             daemon=True,
         )
         self.proc.start()
-        try:  # compiling is background work: the model's steps (and the streams) come first
-            os.setpriority(os.PRIO_PROCESS, self.proc.pid, COMPILE_NICENESS)
-        except OSError:
-            pass
         self.ps = psutil.Process(self.proc.pid)
         child.close()
 
