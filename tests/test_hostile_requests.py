@@ -320,13 +320,16 @@ def test_a_compile_process_drops_its_priority_before_its_heavy_imports():
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    p = ctx.Process(target=run_niced, args=(before + 7, "niced_target:report", child))
+    lower = min(before + 7, 19)  # 19: the lowest priority there is
+    if lower == before:
+        pytest.skip("this process runs at the lowest priority already")
+    p = ctx.Process(target=run_niced, args=(lower, "niced_target:report", child))
     p.start()
     child.close()
     assert parent.poll(60), "the process did not report"
     at_import, torch_before, now = parent.recv()
     p.join(30)
-    assert (at_import, now) == (before + 7, before + 7)
+    assert (at_import, now) == (lower, lower)
     assert not torch_before  # what runs before the priority drops imports nothing heavy
     assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the parent's own is untouched
 
