@@ -18,10 +18,12 @@
 // of its last write having read it.
 //
 // Weights never depend on the step, so each block's last warp does nothing but copy the block's rows of
-// the next weight stages into a ring of shared memory (bulk copies on mbarriers) as soon as the ring has
-// room: the weight stream runs while the other fifteen warps wait for their inputs, compute and attend. Rows past 3/5 of the
-// ring are read from global memory at compute time. Attention loads its first keys from the KV
-// cache (written by earlier steps) before its q arrives.
+// the next weight stages into a ring of shared memory, chunk by chunk (bulk copies, an mbarrier a chunk),
+// wherever the ring has room: the weight stream runs while the other fifteen warps wait for their inputs,
+// compute and attend, and a warp starts on its rows when their chunk is in. It keeps a few chunks in flight,
+// not the whole ring, so the loads the step waits on do not queue behind the weights. Rows past 3/5 of the
+// ring are read from global memory at compute time. Attention loads its first keys from the KV cache
+// (written by earlier steps) before its q arrives, and asks L2 for the next layer's once it is done.
 //
 // The roundings are the layer kernels' (kernel/reference.py): each projection's output, the residual
 // adds, the normalised row before the norm weight, silu before the multiply, the merged attention output.
@@ -47,6 +49,26 @@ constexpr int POINTS = 5;      // trace: clock readings a stage
 #ifndef STEP_NO_GEMV
 #define STEP_NO_GEMV 0
 #endif
+// The weight stream is copied in chunks of whole units of at most STEP_CHUNK bytes (one unit when a unit is
+// larger), each completed on its own mbarrier, so a warp starts on its rows as soon as their chunk is in,
+// and the copy warp keeps at most STEP_PACE chunks in flight (0: as many as the ring has room for): the
+// memory's queues stay short, so the loads that the step waits on (keys, rows past the ring) are not
+// queued behind the next layers' weights.
+#ifndef STEP_CHUNK
+#define STEP_CHUNK 8192
+#endif
+#ifndef STEP_PACE
+#define STEP_PACE 2
+#endif
+// STEP_KV_L2: each attention item asks L2 for the next layer's keys and values of its split once it is
+// done with this layer's, and the weight copies are marked evict-first
+#ifndef STEP_KV_L2
+#define STEP_KV_L2 1
+#endif
+// chunk mbarriers: a chunk is at least STEP_CHUNK / 2 bytes or one unit, so the ring's RING_SLOTS stages hold
+// fewer chunks than this (227 KB of ring at most), and a barrier is never re-armed while a warp waits on it
+constexpr int NCB = 2 * (232448 / STEP_CHUNK) + 2 * RING_SLOTS;
+static_assert(NCB * 12 <= 896, "the chunks' barriers and offsets outgrow the static shared memory step_kernel.py allows");
 
 // The argument block: one int64 each, in this order (FIELDS is checked against step_kernel.py's list).
 #define STEP_FIELDS(X)                                                                                     \
@@ -117,16 +139,33 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+__device__ __forceinline__ bool mbar_try(uint64_t* bar, unsigned parity) {
+  unsigned done;
   asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}" ::"r"(saddr(bar)), "r"(parity) : "memory");
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done) : "r"(saddr(bar)), "r"(parity) : "memory");
+  return done;
+}
+// a phase that never completes (a bug) traps after ~2 s instead of hanging, as spin() below
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  long long t0 = 0;
+  while (!mbar_try(bar, parity)) {
+    if (t0 == 0) t0 = clock64();
+    else if (clock64() - t0 > 4000000000LL) __trap();
+  }
 }
 // bytes (a multiple of 16, both addresses 16-byte aligned) from global memory into shared memory
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+#if STEP_KV_L2
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(policy) : "memory");
+#else
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+#endif
 }
 
 __device__ __forceinline__ long long globaltimer() {
@@ -259,6 +298,7 @@ struct Stage {
   int u0, n;           // this block's units
   int npre;            // of them, prefetched into the ring
   int bytes;           // of the prefetched part
+  int upc, nch;        // units a chunk, chunks of the prefetched part
 };
 
 __device__ __forceinline__ const char* lptr(const int64_t* lp, int field) {
@@ -284,57 +324,116 @@ __device__ Stage stage_of(const Args& a, const int64_t* tab, int ws, int ring_by
   s.u0 = (int)blockIdx.x * units / (int)gridDim.x;
   s.n = ((int)blockIdx.x + 1) * units / (int)gridDim.x - s.u0;
   const int unit_bytes = (s.pair_offset ? 2 : 1) * s.k * (int)sizeof(T);
-  s.npre = min(s.n, (ring_bytes / 5 * 3) / unit_bytes);  // any stage fits the ring once it is empty
+  // a stage's prefetched part is at most 3/5 of the ring and a chunk at most 2/5, so the next chunk always
+  // fits once the stages before are released (else the copy warp would wait on its own stage)
+  s.npre = unit_bytes <= ring_bytes / 5 * 2 ? min(s.n, (ring_bytes / 5 * 3) / unit_bytes) : 0;
   s.bytes = s.npre * unit_bytes;
+  s.upc = max(1, STEP_CHUNK / unit_bytes);
+  s.nch = (s.npre + s.upc - 1) / s.upc;
   return s;
 }
 
-// The ring: weight stage ws lives in slot ws % RING_SLOTS, at an offset the copy warp chose (slot_off). The
-// copy warp (one lane) issues the stages in order, each as one bulk copy per contiguous run of rows (a
-// stage's rows are one run; gate/up's two, the gate rows then the up rows) completed on the slot's "full"
-// mbarrier; it takes room back in order as the compute warps release stages on the slot's "empty" mbarrier
-// (one arrival a warp). No compute warp ever waits for a copy to be issued.
+// The chunks are numbered in stream order: chunk c of weight stage ws is chunk0(ws) + c. Every layer's
+// stages have the same shapes, so a layer has the same chunks.
+struct Chunks {
+  int base[4];
+  int per_layer;
+};
+template <typename T>
+__device__ Chunks chunks_of(const Args& a, const int64_t* tab, int ring_bytes) {
+  Chunks c;
+  int n = 0;
+  for (int kind = 0; kind < 4; ++kind) {
+    c.base[kind] = n;
+    n += stage_of<T>(a, tab, kind, ring_bytes).nch;
+  }
+  c.per_layer = n;
+  return c;
+}
+__device__ __forceinline__ int chunk0(const Chunks& c, int ws) { return (ws >> 2) * c.per_layer + c.base[ws & 3]; }
+
+// The ring: the copy warp (one lane) issues the stages in order, chunk by chunk, each chunk where the ring
+// has room (one bulk copy, or two for gate/up: the chunk's gate rows, then its up rows), at an offset it
+// records (chunk_off), completed on the chunk's mbarrier. A chunk that does not fit before the ring's end
+// starts at its beginning, so at most a chunk's bytes are left unused there. It takes room back in stage
+// order as the compute warps release stages on the stage slot's "empty" mbarrier (one arrival a warp, slot
+// ws % RING_SLOTS). No compute warp ever waits for a copy to be issued.
 struct Ring {
-  uint64_t* full;
+  uint64_t* chunk;
   uint64_t* empty;
-  int* slot_off;
+  int* chunk_off;
 };
 
+__device__ __forceinline__ void chunk_wait(const Ring& r, int j) { mbar_wait(r.chunk + j % NCB, (j / NCB) & 1); }
+
 template <typename T>
-__device__ void copy_weights(const Args& a, const int64_t* tab, char* ring, int ring_bytes, const Ring& r, int total_ws) {
+__device__ void copy_weights(const Args& a, const int64_t* tab, char* ring, int ring_bytes, const Ring& r,
+                             const Chunks& ck, int total_ws) {
   int head = 0, used = 0, rel = 0;  // rel: the oldest stage not yet released
-  int size[RING_SLOTS];
+  int size[RING_SLOTS];             // a stage's bytes in the ring, its chunks' and their padding
   for (int ws = 0; ws < total_ws; ++ws) {
     const Stage s = stage_of<T>(a, tab, ws, ring_bytes);
     const int slot = ws % RING_SLOTS;
-    for (;;) {
-      const int pad = (head + s.bytes > ring_bytes) ? ring_bytes - head : 0;
-      if (ws - rel < RING_SLOTS && used + pad + s.bytes <= ring_bytes) break;
-      mbar_wait(r.empty + rel % RING_SLOTS, (rel / RING_SLOTS) & 1);
-      used -= size[rel % RING_SLOTS];
-      if (++rel == ws) head = 0, used = 0;
-    }
-    const int pad = (head + s.bytes > ring_bytes) ? ring_bytes - head : 0;
-    const int off = pad ? 0 : head;
-    r.slot_off[slot] = off;
-    size[slot] = pad + s.bytes;
-    head = off + s.bytes;
-    used += pad + s.bytes;
-    mbar_expect(r.full + slot, s.bytes);  // releases slot_off to the warps that wait on the slot
-    if (s.bytes) {
-      const size_t row_bytes = (size_t)s.k * sizeof(T);
-      const unsigned run = (unsigned)(s.npre * row_bytes);
-      bulk_copy(ring + off, s.w + s.u0 * row_bytes, run, r.full + slot);
-      if (s.pair_offset) bulk_copy(ring + off + run, s.w + (s.u0 + s.pair_offset) * row_bytes, run, r.full + slot);
+    size[slot] = 0;
+    const size_t rb = (size_t)s.k * sizeof(T);
+    const int unit_bytes = (s.pair_offset ? 2 : 1) * (int)rb;
+    const int j0 = chunk0(ck, ws);
+    for (int c = 0; c < s.nch; ++c) {
+      const int j = j0 + c;
+      const int first = c * s.upc, nu = min(s.upc, s.npre - first), bytes = nu * unit_bytes;
+      for (;;) {
+        const int pad = (head + bytes > ring_bytes) ? ring_bytes - head : 0;
+        if (ws - rel < RING_SLOTS && used + pad + bytes <= ring_bytes) break;
+        mbar_wait(r.empty + rel % RING_SLOTS, (rel / RING_SLOTS) & 1);
+        used -= size[rel % RING_SLOTS];
+        ++rel;
+      }
+      const int pad = (head + bytes > ring_bytes) ? ring_bytes - head : 0;
+      const int off = pad ? 0 : head;
+      head = off + bytes;
+      used += pad + bytes;
+      size[slot] += pad + bytes;
+      if (STEP_PACE > 0 && j >= STEP_PACE) chunk_wait(r, j - STEP_PACE);
+      r.chunk_off[j % NCB] = off;  // released to the warps by the chunk's arrival
+      uint64_t* bar = r.chunk + j % NCB;
+      const unsigned run = (unsigned)(nu * rb);
+      mbar_expect(bar, (unsigned)bytes);
+      bulk_copy(ring + off, s.w + (s.u0 + first) * rb, run, bar);
+      if (s.pair_offset) bulk_copy(ring + off + run, s.w + (s.u0 + s.pair_offset + first) * rb, run, bar);
     }
   }
 }
 
-// stage ws's rows in shared memory: waits for its copies
-__device__ __forceinline__ const char* ring_front(const Ring& r, const char* ring, int ws) {
-  mbar_wait(r.full + ws % RING_SLOTS, (ws / RING_SLOTS) & 1);
-  return ring + r.slot_off[ws % RING_SLOTS];
+// a stage's rows as a warp reads them: unit u's (gate) row in the ring once its chunk is in (u < npre),
+// else in global memory; gate/up's up row follows its chunk's gate rows in the ring, pair_offset rows in W
+struct Rows {
+  const Ring* r;
+  const char* ring;
+  const Stage* s;
+  int j0;
+  size_t rb;
+  __device__ __forceinline__ const char* unit(int u, bool& smem) const {
+    smem = u < s->npre;
+    if (!smem) return s->w + (size_t)(s->u0 + u) * rb;
+    const int c = u / s->upc;
+    chunk_wait(*r, j0 + c);
+    return ring + r->chunk_off[(j0 + c) % NCB] + (size_t)(u - c * s->upc) * rb;
+  }
+  __device__ __forceinline__ const char* up(const char* gate, int u, bool smem) const {
+    if (!smem) return gate + (size_t)s->pair_offset * rb;
+    const int first = u / s->upc * s->upc;
+    return gate + (size_t)min(s->upc, s->npre - first) * rb;
+  }
+  // the trace's "weights in": the stage's first chunk
+  __device__ __forceinline__ void first_in() const {
+    if (s->nch) chunk_wait(*r, j0);
+  }
+};
+template <typename T>
+__device__ __forceinline__ Rows rows_of(const Ring& r, const char* ring, const Stage& s, const Chunks& ck, int ws) {
+  return Rows{&r, ring, &s, chunk0(ck, ws), (size_t)s.k * sizeof(T)};
 }
+
 // this warp is done with stage ws's rows
 __device__ __forceinline__ void ring_release(const Ring& r, int ws) {
   __syncwarp();
@@ -343,77 +442,106 @@ __device__ __forceinline__ void ring_release(const Ring& r, int ws) {
   }
 }
 
-// one row of W (in shared memory or global) times vec (shared memory, T), summed over the warp: each lane
-// reads 16 bytes of the row and 16 of vec, so neither read has bank conflicts
-template <typename T>
-__device__ __forceinline__ float row_dot(const char* row, bool smem, const T* vec, int k, int lane) {
+// N rows of W (in shared memory or global) times vec (shared memory, T), each summed over the warp: each
+// lane reads 16 bytes of every row and 16 of vec, so no read has bank conflicts; every load of a round is
+// issued before its arithmetic, and one row keeps two sums (the chains are half as long)
+template <typename T, int N>
+__device__ __forceinline__ void rows_dot(const char* const* p, const bool* sm, const T* vec, int k, int lane,
+                                         float* out) {
   constexpr int E = Vec<T>::N;
-  float acc = 0.f;
-  if (STEP_NO_GEMV) k = 0;
-#pragma unroll 4
-  for (int i = lane * E; i < k; i += 32 * E) {
-    const uint4 u = smem ? lds128(row + (size_t)i * sizeof(T)) : ld_stream(row + (size_t)i * sizeof(T));
-    const uint4 xv = lds128(vec + i);
-    float w[E], x[E];
-    unpack<T>(u, w);
-    unpack<T>(xv, x);
+  constexpr int A = N == 1 ? 2 : 1;
+  float acc[N][A];
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc += w[e] * x[e];
-  }
-  return warp_sum(acc);
-}
-
-// two rows at once (two sums in flight, vec read once for both)
-template <typename T>
-__device__ __forceinline__ void row_dot2(const char* r0, bool s0, const char* r1, bool s1, const T* vec, int k,
-                                         int lane, float& o0, float& o1) {
-  constexpr int E = Vec<T>::N;
-  float a0 = 0.f, a1 = 0.f;
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int c = 0; c < A; ++c) acc[j][c] = 0.f;
   if (STEP_NO_GEMV) k = 0;
-#pragma unroll 4
+#pragma unroll 2
   for (int i = lane * E; i < k; i += 32 * E) {
     const size_t b = (size_t)i * sizeof(T);
-    const uint4 u0 = s0 ? lds128(r0 + b) : ld_stream(r0 + b);
-    const uint4 u1 = s1 ? lds128(r1 + b) : ld_stream(r1 + b);
-    const uint4 xv = lds128(vec + i);
-    float x[E], w0[E], w1[E];
-    unpack<T>(xv, x);
-    unpack<T>(u0, w0);
-    unpack<T>(u1, w1);
+    uint4 u[N];
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      a0 += w0[e] * x[e];
-      a1 += w1[e] * x[e];
+    for (int j = 0; j < N; ++j) u[j] = sm[j] ? lds128(p[j] + b) : ld_stream(p[j] + b);
+    const uint4 xv = lds128(vec + i);
+    float x[E];
+    unpack<T>(xv, x);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float w[E];
+      unpack<T>(u[j], w);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[j][e % A] += w[e] * x[e];
     }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a0 += __shfl_xor_sync(0xffffffffu, a0, o);
-    a1 += __shfl_xor_sync(0xffffffffu, a1, o);
-  }
-  o0 = a0;
-  o1 = a1;
+  for (int j = 0; j < N; ++j) out[j] = A == 2 ? acc[j][0] + acc[j][A - 1] : acc[j][0];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] += __shfl_xor_sync(0xffffffffu, out[j], o);
 }
 
-// this block's rows of a plain stage times vec, two rows a warp at a time: out(u, value) on lane 0 (u from 0)
-template <typename T, typename F>
-__device__ __forceinline__ void stage_rows(const Stage& s, const char* sm, const T* vec, F&& out) {
+// units [first, first + P) of a plain stage (those < n): out(u, value) on lane 0
+template <typename T, int P, typename F>
+__device__ __forceinline__ void rows_group(const Rows& rw, const T* vec, int first, int lane, F& out) {
+  const Stage& s = *rw.s;
+  const char* p[P];
+  bool sm[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) p[i] = rw.unit(first + i < s.n ? first + i : first, sm[i]);  // past n: a repeat
+  float o[P];
+  rows_dot<T, P>(p, sm, vec, s.k, lane, o);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (first + i < s.n) out(first + i, o[i]);
+  }
+}
+template <typename T, int P, typename F>
+__device__ __forceinline__ void rows_passes(const Rows& rw, const T* vec, F& out) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const size_t rb = (size_t)s.k * sizeof(T);
-  for (int u = warp; u < s.n; u += 2 * CW) {
-    const int u2 = u + CW;
-    const bool p0 = u < s.npre, p1 = u2 < s.npre;
-    const char* r0 = p0 ? sm + u * rb : s.w + (s.u0 + u) * rb;
-    if (u2 < s.n) {
-      const char* r1 = p1 ? sm + u2 * rb : s.w + (s.u0 + u2) * rb;
-      float v0, v1;
-      row_dot2<T>(r0, p0, r1, p1, vec, s.k, lane, v0, v1);
-      if (lane == 0) out(u, v0), out(u2, v1);
-    } else {
-      const float v0 = row_dot<T>(r0, p0, vec, s.k, lane);
-      if (lane == 0) out(u, v0);
+  for (int base = warp * P; base < rw.s->n; base += P * CW) rows_group<T, P>(rw, vec, base, lane, out);
+}
+// this block's rows of a plain stage times vec, in one pass where a warp's share is at most 4 rows: a warp
+// takes consecutive rows (of consecutive chunks)
+template <typename T, typename F>
+__device__ __forceinline__ void stage_rows(const Rows& rw, const T* vec, F&& out) {
+  switch ((rw.s->n + CW - 1) / CW) {
+    case 1: rows_passes<T, 1>(rw, vec, out); break;
+    case 2: rows_passes<T, 2>(rw, vec, out); break;
+    case 3: rows_passes<T, 3>(rw, vec, out); break;
+    default: rows_passes<T, 4>(rw, vec, out); break;
+  }
+}
+
+// gate/up: units [first, first + P) as 2P rows (gate, up of each): out(u, gate, up) on lane 0
+template <typename T, int P, typename F>
+__device__ __forceinline__ void pairs_passes(const Rows& rw, const T* vec, F& out) {
+  const Stage& s = *rw.s;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int first = warp * P; first < s.n; first += P * CW) {
+    const char* p[2 * P];
+    bool sm[2 * P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int u = first + i < s.n ? first + i : first;  // past n: a repeat
+      p[2 * i] = rw.unit(u, sm[2 * i]);
+      p[2 * i + 1] = rw.up(p[2 * i], u, sm[2 * i]);
+      sm[2 * i + 1] = sm[2 * i];
+    }
+    float o[2 * P];
+    rows_dot<T, 2 * P>(p, sm, vec, s.k, lane, o);
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < P; ++i)
+        if (first + i < s.n) out(first + i, o[2 * i], o[2 * i + 1]);
     }
   }
+}
+template <typename T, typename F>
+__device__ __forceinline__ void stage_pairs(const Rows& rw, const T* vec, F&& out) {
+  if (rw.s->n > CW) pairs_passes<T, 2>(rw, vec, out);
+  else pairs_passes<T, 1>(rw, vec, out);
 }
 
 // ---- the input rows of the projections -------------------------------------------------------------------
@@ -695,7 +823,23 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     }
   }
   if (tr && threadIdx.x == 0) tr[3] = clock64();
-  if (split != 0) return;
+  // the next layer's keys and values of this split, asked of L2 (split 0 first merges)
+  auto prefetch_next = [&]() {
+    if (!STEP_KV_L2 || layer + 1 >= (int)a.v[F_num_layers] || start >= end) return;
+    const int lines = max(1, D * (int)sizeof(T) / 128);
+    const int64_t lstride = a.v[F_kv_layer_stride] * (int64_t)sizeof(T);
+    for (int i = threadIdx.x; i < (end - start) * 2 * lines; i += CT) {
+      const int t = start + i / (2 * lines), rem = i % (2 * lines);
+      if (t == last) continue;
+      const char* base = (rem < lines ? kc : vc) + lstride;
+      const char* p = base + (int64_t)__ldcg(pt + t) * skt + (size_t)kvh * skh + (rem % lines) * 128;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+  };
+  if (split != 0) {
+    prefetch_next();
+    return;
+  }
 
   // split 0 merges the group's splits: every split's words in one pass, then the weighted sum
   csync();  // wm.. is reused
@@ -728,6 +872,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     }
     st_word(attn + (kvh * group + g) * D + d, fromf<T>(o / tot), tag);
   }
+  prefetch_next();
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------
@@ -760,13 +905,14 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
   W* w_y = reinterpret_cast<W*>(a.v[F_w_y]);
   long long* trace = reinterpret_cast<long long*>(a.v[F_trace]);
   const int total_ws = 4 * L;
-  __shared__ __align__(8) uint64_t full[RING_SLOTS], empty[RING_SLOTS];
-  __shared__ int slot_off[RING_SLOTS];
+  __shared__ __align__(8) uint64_t chunk_bar[NCB], empty[RING_SLOTS];
+  __shared__ int chunk_off[NCB];
   if (threadIdx.x == 0) {
-    for (int i = 0; i < RING_SLOTS; ++i) mbar_init(full + i, 1), mbar_init(empty + i, CW);
+    for (int i = 0; i < NCB; ++i) mbar_init(chunk_bar + i, 1);
+    for (int i = 0; i < RING_SLOTS; ++i) mbar_init(empty + i, CW);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  const Ring r{full, empty, slot_off};
+  const Ring r{chunk_bar, empty, chunk_off};
   // what stays the same for every layer: the pointer table, the position's cos / sin, the attention item
   Ctx cx;
   {
@@ -797,8 +943,9 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     }
   }
   __syncthreads();
+  const Chunks ck = chunks_of<T>(a, tab, ring_bytes);
   if (warp == CW) {  // the copy warp: one lane streams every weight stage into the ring, then leaves
-    if (lane == 0) copy_weights<T>(a, tab, ring, ring_bytes, r, total_ws);
+    if (lane == 0) copy_weights<T>(a, tab, ring, ring_bytes, r, ck, total_ws);
     return;
   }
   // this launch's tags: base + layer + 1, base advanced by L at the end of every launch
@@ -838,11 +985,12 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     }
     MARK(0, 2);
     {
-      Stage s = stage_of<T>(a, tab, 4 * layer + K_QKV, ring_bytes);
-      const char* sm = ring_front(r, ring, 4 * layer + K_QKV);
+      const Stage s = stage_of<T>(a, tab, 4 * layer + K_QKV, ring_bytes);
+      const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_QKV);
+      if (tr) rw.first_in();
       MARK(0, 3);
       const T* bias = (const T*)lp[L_QKV_BIAS];
-      stage_rows<T>(s, sm, vec, [&](int u, float v) {
+      stage_rows<T>(rw, vec, [&](int u, float v) {
         if (bias) v += tof<T>(bias[s.u0 + u]);
         st_word(w_qkv + s.u0 + u, fromf<T>(v), tag);
       });
@@ -863,10 +1011,11 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     csync();
     MARK(2, 2);
     {
-      Stage s = stage_of<T>(a, tab, 4 * layer + K_O, ring_bytes);
-      const char* sm = ring_front(r, ring, 4 * layer + K_O);
+      const Stage s = stage_of<T>(a, tab, 4 * layer + K_O, ring_bytes);
+      const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_O);
+      if (tr) rw.first_in();
       MARK(2, 3);
-      stage_rows<T>(s, sm, vec, [&](int u, float v) {
+      stage_rows<T>(rw, vec, [&](int u, float v) {
         const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[s.u0 + u]));
         st_word(w_h2 + s.u0 + u, o, tag);
         h2[s.u0 + u] = o;
@@ -885,21 +1034,15 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     }
     MARK(3, 2);
     {
-      Stage s = stage_of<T>(a, tab, 4 * layer + K_GU, ring_bytes);
-      const char* sm = ring_front(r, ring, 4 * layer + K_GU);
+      const Stage s = stage_of<T>(a, tab, 4 * layer + K_GU, ring_bytes);
+      const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_GU);
+      if (tr) rw.first_in();
       MARK(3, 3);
-      // the ring holds the gate rows, then the up rows
-      const size_t row_bytes = (size_t)s.k * sizeof(T);
-      for (int u = warp; u < s.n; u += CW) {
-        const bool pre = u < s.npre;
-        const char* gp = pre ? sm + u * row_bytes : s.w + (size_t)(s.u0 + u) * row_bytes;
-        const char* up = pre ? sm + (s.npre + u) * row_bytes : s.w + (size_t)(s.u0 + u + I) * row_bytes;
-        float g, uv;
-        row_dot2<T>(gp, pre, up, pre, vec, s.k, lane, g, uv);
+      stage_pairs<T>(rw, vec, [&](int u, float g, float uv) {
         g = rnd<T>(g);
         uv = rnd<T>(uv);
-        if (lane == 0) st_word(w_act + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
-      }
+        st_word(w_act + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
+      });
       ring_release(r, 4 * layer + K_GU);
       csync();  // vec is rewritten next
     }
@@ -911,10 +1054,11 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     csync();
     MARK(4, 2);
     {
-      Stage s = stage_of<T>(a, tab, 4 * layer + K_DOWN, ring_bytes);
-      const char* sm = ring_front(r, ring, 4 * layer + K_DOWN);
+      const Stage s = stage_of<T>(a, tab, 4 * layer + K_DOWN, ring_bytes);
+      const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_DOWN);
+      if (tr) rw.first_in();
       MARK(4, 3);
-      stage_rows<T>(s, sm, vec, [&](int u, float v) {
+      stage_rows<T>(rw, vec, [&](int u, float v) {
         const T o = fromf<T>(v);
         st_word(w_y + s.u0 + u, o, tag);
         y[s.u0 + u] = o;
