@@ -45,9 +45,16 @@ constexpr int PRE_ROUNDS = 2;  // rounds of keys loaded before q arrives
 constexpr int STAGES = 5;      // trace: stages a layer
 constexpr int POINTS = 5;      // trace: clock readings a stage
 
-// STEP_NO_GEMV (a measurement: wrong outputs): the projections' dot products left out
+// STEP_NO_GEMV (a measurement: wrong outputs): the projections' dot products left out; likewise
+// STEP_NO_KEYS, attention's key loop, and STEP_NO_WMERGE, the merge of a split's warps
 #ifndef STEP_NO_GEMV
 #define STEP_NO_GEMV 0
+#endif
+#ifndef STEP_NO_KEYS
+#define STEP_NO_KEYS 0
+#endif
+#ifndef STEP_NO_WMERGE
+#define STEP_NO_WMERGE 0
 #endif
 // The weight stream is copied in chunks of whole units of at most STEP_CHUNK bytes (one unit when a unit is
 // larger), each completed on its own mbarrier, so a warp starts on its rows as soon as their chunk is in,
@@ -755,9 +762,9 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
 #pragma unroll
     for (int r = 0; r < PRE_ROUNDS; ++r) {
       const int t0 = start + (r * CW + warp) * KPW;
-      if (t0 < end) key(t0 + sub, kp[r], vp[r]);
+      if (t0 < end && !STEP_NO_KEYS) key(t0 + sub, kp[r], vp[r]);
     }
-    for (int t0 = start + (PRE_ROUNDS * CW + warp) * KPW; t0 < end; t0 += CW * KPW) {
+    for (int t0 = start + (PRE_ROUNDS * CW + warp) * KPW; t0 < end && !STEP_NO_KEYS; t0 += CW * KPW) {
       const int t = t0 + sub;
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
       if (t < end && t != last) {
@@ -797,9 +804,14 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
         }
       }
     }
-    csync();
+    if (!STEP_NO_WMERGE) csync();
     for (int t = threadIdx.x; t < group * D; t += CT) {
       const int g = t / D, d = t - g * D;
+      if (STEP_NO_WMERGE) {
+        st_word(part_o + ((size_t)(kvh * group + g) * S + split) * D + d, 0.f, tag);
+        if (d == 0) st_word(part_lse + (kvh * group + g) * S + split, 0.f, tag);
+        continue;
+      }
       float mx = -INFINITY;
       for (int w = 0; w < CW; ++w) mx = fmaxf(mx, wm[w * MAXG + g]);
       float tot = 0.f, o = 0.f;
