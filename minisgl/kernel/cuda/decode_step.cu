@@ -381,6 +381,11 @@ __device__ void copy_weights(const Args& a, const int64_t* tab, char* ring, int 
   for (int ws = 0; ws < total_ws; ++ws) {
     const Stage s = stage_of<T>(a, tab, ws, ring_bytes);
     const int slot = ws % RING_SLOTS;
+    while (ws - rel >= RING_SLOTS) {  // the slot's last stage released first: its size is taken back
+      mbar_wait(r.empty + rel % RING_SLOTS, (rel / RING_SLOTS) & 1);
+      used -= size[rel % RING_SLOTS];
+      ++rel;
+    }
     size[slot] = 0;
     const size_t rb = (size_t)s.k * sizeof(T);
     const int unit_bytes = (s.pair_offset ? 2 : 1) * (int)rb;
@@ -390,7 +395,7 @@ __device__ void copy_weights(const Args& a, const int64_t* tab, char* ring, int 
       const int first = c * s.upc, nu = min(s.upc, s.npre - first), bytes = nu * unit_bytes;
       for (;;) {
         const int pad = (head + bytes > ring_bytes) ? ring_bytes - head : 0;
-        if (ws - rel < RING_SLOTS && used + pad + bytes <= ring_bytes) break;
+        if (used + pad + bytes <= ring_bytes) break;
         mbar_wait(r.empty + rel % RING_SLOTS, (rel / RING_SLOTS) & 1);
         used -= size[rel % RING_SLOTS];
         ++rel;
