@@ -140,3 +140,39 @@ def test_decode_step_tiny_fp32_equals_hf(arch, tmp_path, step_launches):
                 out["token_ids"], ref, prompt, f"the decode-step kernel, page size {page_size}"
             )
     assert step_launches
+
+
+def test_decode_step_many_small_layers_fp32_equals_hf(tmp_path, step_launches):
+    """A float32 Llama of 24 layers small enough that four weight stages fit in a block's ring at once (hidden
+    512): the copy warp takes each ring slot's last stage back before reusing the slot (it once lost that
+    stage's bytes, and the ring filled up over the layers until the kernel trapped). Hugging Face's greedy
+    tokens, one request at a time."""
+    from helpers import HFReference
+
+    spec = dataclasses.replace(
+        TINY_SPECS["llama"],
+        config_kwargs={
+            **TINY_SPECS["llama"].config_kwargs,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+        },
+    )
+    model = build_tiny_model(spec, str(tmp_path / "llama24"))
+    ref = HFReference(model)
+    prompts = [random_prompt(n, spec.config_kwargs["vocab_size"], seed) for n, seed in [(33, 7), (120, 8)]]
+    kwargs = {
+        "dtype": torch.float32,
+        "attn": "triton",
+        "cuda_graph_max_bs": 1,
+        "max_running_req": 1,
+        "num_page_override": 2048,
+        "max_seq_len_override": 512,
+    }
+    outs = _generate(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True), **kwargs)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, "the decode-step kernel, 24 small layers")
+    assert step_launches
