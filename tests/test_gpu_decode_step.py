@@ -57,6 +57,21 @@ def _assert_same_greedy(fast, ref, tie: float) -> None:
         )
 
 
+def _assert_fp32_equals_hf(model: str, ref, prompts, what: str, **kwargs) -> None:
+    """8 greedy tokens a prompt, float32, one request at a time through the decode graph: ref's (HF's)."""
+    common = {
+        "dtype": torch.float32,
+        "attn": "triton",
+        "cuda_graph_max_bs": 1,
+        "max_running_req": 1,
+        "num_page_override": 2048,
+        "max_seq_len_override": 512,
+    }
+    outs = _generate(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True), **common, **kwargs)
+    for prompt, out in zip(prompts, outs):
+        assert_tokens_equal_hf(out["token_ids"], ref, prompt, what)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_step_equals_reference_one_request_qwen3_06b_bf16(page_size, step_launches):
     """Qwen3-0.6B shapes in bf16, one request at a time (every decode step one kernel), one prompt's
@@ -125,20 +140,9 @@ def test_decode_step_tiny_fp32_equals_hf(arch, tmp_path, step_launches):
     vocab = spec.config_kwargs["vocab_size"]
     prompts = [random_prompt(n, vocab, seed) for n, seed in [(21, 4), (6, 5), (90, 6)]]
     for page_size in (1, 4):
-        kwargs = {
-            "dtype": torch.float32,
-            "attn": "triton",
-            "page_size": page_size,
-            "cuda_graph_max_bs": 1,
-            "max_running_req": 1,
-            "num_page_override": 2048,
-            "max_seq_len_override": 512,
-        }
-        outs = _generate(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True), **kwargs)
-        for prompt, out in zip(prompts, outs):
-            assert_tokens_equal_hf(
-                out["token_ids"], ref, prompt, f"the decode-step kernel, page size {page_size}"
-            )
+        _assert_fp32_equals_hf(
+            model, ref, prompts, f"the decode-step kernel, page size {page_size}", page_size=page_size
+        )
     assert step_launches
 
 
@@ -164,15 +168,5 @@ def test_decode_step_many_small_layers_fp32_equals_hf(tmp_path, step_launches):
     model = build_tiny_model(spec, str(tmp_path / "llama24"))
     ref = HFReference(model)
     prompts = [random_prompt(n, spec.config_kwargs["vocab_size"], seed) for n, seed in [(33, 7), (120, 8)]]
-    kwargs = {
-        "dtype": torch.float32,
-        "attn": "triton",
-        "cuda_graph_max_bs": 1,
-        "max_running_req": 1,
-        "num_page_override": 2048,
-        "max_seq_len_override": 512,
-    }
-    outs = _generate(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True), **kwargs)
-    for prompt, out in zip(prompts, outs):
-        assert_tokens_equal_hf(out["token_ids"], ref, prompt, "the decode-step kernel, 24 small layers")
+    _assert_fp32_equals_hf(model, ref, prompts, "the decode-step kernel, 24 small layers")
     assert step_launches
