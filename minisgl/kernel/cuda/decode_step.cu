@@ -810,6 +810,24 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
       }
     }
     if (!STEP_NO_WMERGE) csync();
+    // each warp's weight in the merge, computed once: warp g's lane w for warp w's (m, l) of head g, the
+    // weight exp2(m - max) written over m; the max and the weights' sum in the copy warp's (free) row
+    float* wmax = wm + CW * MAXG;
+    float* wtot = wl + CW * MAXG;
+    if (!STEP_NO_WMERGE && warp < group) {
+      const int g = warp;
+      const float lw = lane < CW ? wl[lane * MAXG + g] : 0.f;
+      const float mw = lw > 0.f ? wm[lane * MAXG + g] : -INFINITY;
+      float mx = mw;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float f = lw > 0.f ? exp2f(mw - mx) : 0.f;
+      const float tot = warp_sum(lw * f);
+      __syncwarp();
+      if (lane < CW) wm[lane * MAXG + g] = f;
+      if (lane == 0) wmax[g] = mx, wtot[g] = tot;
+    }
+    if (!STEP_NO_WMERGE) csync();
     for (int t = threadIdx.x; t < group * D; t += CT) {
       const int g = t / D, d = t - g * D;
       if (STEP_NO_WMERGE) {
@@ -817,20 +835,12 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
         if (d == 0) st_word(part_lse + (kvh * group + g) * S + split, 0.f, tag);
         continue;
       }
-      float mx = -INFINITY;
-      for (int w = 0; w < CW; ++w) mx = fmaxf(mx, wm[w * MAXG + g]);
-      float tot = 0.f, o = 0.f;
-      for (int w = 0; w < CW; ++w) {
-        const float lw = wl[w * MAXG + g];
-        if (lw > 0.f) {
-          const float f = exp2f(wm[w * MAXG + g] - mx);
-          tot += lw * f;
-          o += wacc[(w * group + g) * D + d] * f;
-        }
-      }
+      float o = 0.f;
+      for (int w = 0; w < CW; ++w) o += wacc[(w * group + g) * D + d] * wm[w * MAXG + g];
+      const float tot = wtot[g];
       const int head = kvh * group + g;
       st_word(part_o + ((size_t)head * S + split) * D + d, o / tot, tag);
-      if (d == 0) st_word(part_lse + head * S + split, mx + log2f(tot), tag);
+      if (d == 0) st_word(part_lse + head * S + split, wmax[g] + log2f(tot), tag);
     }
   } else {  // an empty split: zeros, and a log-sum of -inf
     for (int t = threadIdx.x; t < group * D; t += CT) {
@@ -872,22 +882,29 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
       ml[j] = ld_word(part_lse + (kvh * group + g) * S + s, tag);
     }
   }
+  // each split's weight, computed once: warp g's lane s, exp2(lse - max) written over the lse, the
+  // weights' sum after the group's log-sums
+  float* mtot = ml + group * S;
+  csync();
+  if (warp < group) {
+    const int g = warp;
+    const float ls = lane < S ? ml[g * S + lane] : -INFINITY;
+    float mx = ls;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float f = ls == -INFINITY ? 0.f : exp2f(ls - mx);
+    const float tot = warp_sum(f);
+    __syncwarp();
+    if (lane < S) ml[g * S + lane] = f;
+    if (lane == 0) mtot[g] = tot;
+  }
   csync();
   W* attn = reinterpret_cast<W*>(a.v[F_w_attn]);
   for (int t = threadIdx.x; t < group * D; t += CT) {
     const int g = t / D, d = t - g * D;
-    float mx = -INFINITY;
-    for (int s = 0; s < S; ++s) mx = fmaxf(mx, ml[g * S + s]);
-    float tot = 0.f, o = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float ls = ml[g * S + s];
-      if (ls != -INFINITY) {
-        const float f = exp2f(ls - mx);
-        tot += f;
-        o += f * mo[(g * S + s) * D + d];
-      }
-    }
-    st_word(attn + (kvh * group + g) * D + d, fromf<T>(o / tot), tag);
+    float o = 0.f;
+    for (int s = 0; s < S; ++s) o += ml[g * S + s] * mo[(g * S + s) * D + d];
+    st_word(attn + (kvh * group + g) * D + d, fromf<T>(o / mtot[g]), tag);
   }
   prefetch_next();
 }
