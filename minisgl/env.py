@@ -50,6 +50,17 @@ class Env:
         return _flag("MINISGL_DECODE_STEP")
 
     @property
+    def decode_step_splits(self) -> int | None:
+        """At most this many splits of each KV head's keys in the one-kernel decode step
+        (MINISGL_DECODE_STEP_SPLITS, a measurement knob; unset: as many as the SMs allow, at most 16)."""
+        value = os.environ.get("MINISGL_DECODE_STEP_SPLITS", "").strip()
+        if not value:
+            return None
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MINISGL_DECODE_STEP_SPLITS must be a whole number >= 1, not {value!r}")
+        return int(value)
+
+    @property
     def decode_tile(self) -> str:
         """The decode attention's launches (MINISGL_DECODE_TILE): BLOCK_N:warps:stages in several
         splits:stages in one[:programs an SM the split count aims for; by default 8, for batches over a

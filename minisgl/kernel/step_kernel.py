@@ -384,8 +384,8 @@ def decode_step(
     n_qkv = lw.qkv.shape[0]
     grid = min(torch.cuda.get_device_properties(dev).multi_processor_count, hidden, inter, n_qkv)
     splits = max(1, min(_MAX_SPLITS, grid // sw.kv_heads))
-    # a measurement knob: fewer KV splits (longer splits, a shorter merge)
-    splits = max(1, min(splits, int(os.environ.get("MINISGL_DECODE_STEP_SPLITS", splits))))
+    if ENV.decode_step_splits:  # a measurement knob: fewer, longer splits, a shorter merge
+        splits = min(splits, ENV.decode_step_splits)
     global _last_grid
     _last_grid = grid
     buf = _buffers(sw, splits)
