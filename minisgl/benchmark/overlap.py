@@ -22,6 +22,7 @@ import torch
 from minisgl import kernel
 from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.benchmark.attn_decode import HEAD_DIM, HEADS, KV_HEADS, _layer, _setup
+from minisgl.benchmark.gemm import _time
 
 HIDDEN, INTER = 1024, 3072
 
@@ -47,26 +48,6 @@ def _dense(w: dict[str, torch.Tensor], x: torch.Tensor, attn: torch.Tensor) -> t
     y = kernel.linear(kernel.silu_and_mul(kernel.linear(normed, w["gate_up"], None)), w["down"], None)
     normed, _ = kernel.fused_add_rms_norm(y, res, w["norm"], 1e-6)
     return kernel.linear(normed, w["qkv"], None)
-
-
-def _time(fn, repeat: int) -> float:
-    """Microseconds per call of fn, as one CUDA graph of `repeat` calls."""
-    for _ in range(2):
-        fn(0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(repeat):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / repeat)
-    return best
 
 
 def main() -> None:
