@@ -725,8 +725,10 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     float q[GM][E], acc[GM][E], m[GM], l[GM];
 #pragma unroll
     for (int g = 0; g < GM; ++g) {
-      m[g] = -INFINITY;
-      l[g] = 0.f;
+      // STEP_NO_KEYS: every warp's part a finite zero, so the merges run on numbers (NaNs would reach the
+      // sampler and stop the run)
+      m[g] = STEP_NO_KEYS ? 0.f : -INFINITY;
+      l[g] = STEP_NO_KEYS ? 1.f : 0.f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         q[g][e] = g < group ? qs[g * D + sl * E + e] * a.scale_log2 : 0.f;
