@@ -75,7 +75,6 @@ constexpr int POINTS = 5;      // trace: clock readings a stage
 // chunk mbarriers: a chunk is at least STEP_CHUNK / 2 bytes or one unit, so the ring's RING_SLOTS stages hold
 // fewer chunks than this (227 KB of ring at most), and a barrier is never re-armed while a warp waits on it
 constexpr int NCB = 2 * (232448 / STEP_CHUNK) + 2 * RING_SLOTS;
-static_assert(NCB * 12 <= 896, "the chunks' barriers and offsets outgrow the static shared memory step_kernel.py allows");
 
 // The argument block: one int64 each, in this order (FIELDS is checked against step_kernel.py's list).
 #define STEP_FIELDS(X)                                                                                     \
@@ -307,25 +306,35 @@ struct Stage {
   int bytes;           // of the prefetched part
   int upc, nch;        // units a chunk, chunks of the prefetched part
 };
+// the kernel's static shared memory: the chunks' barriers and offsets, the ring slots' barriers, the four
+// stage kinds (kinds[] in the kernel)
+static_assert(NCB * 12 + RING_SLOTS * 8 + 4 * sizeof(Stage) <= 1024,
+              "the static shared memory outgrows what step_kernel.py allows (_STATIC_SMEM)");
 
 __device__ __forceinline__ const char* lptr(const int64_t* lp, int field) {
   return reinterpret_cast<const char*>(lp[field]);
 }
 
-// tab: the layers' pointer table, copied into shared memory at the start
+// a stage kind's weights in the layer's pointer table
+__device__ __forceinline__ int kind_field(int kind) {
+  return kind == K_QKV ? L_QKV : kind == K_O ? L_O : kind == K_GU ? L_GATE_UP : L_DOWN;
+}
+
+// this block's part of a stage of the kind, its weights left out: the same for every layer, so the kernel
+// works it out once at the start (kinds below)
 template <typename T>
-__device__ Stage stage_of(const Args& a, const int64_t* tab, int ws, int ring_bytes) {
-  const int64_t* lp = tab + (ws >> 2) * NUM_LAYER_FIELDS;
+__device__ Stage stage_shape(const Args& a, int kind, int ring_bytes) {
   const int H = a.v[F_hidden], D = a.v[F_head_dim], I = a.v[F_inter];
   const int Hq = a.v[F_heads], Hk = a.v[F_kv_heads];
   Stage s;
   int units;
+  s.w = nullptr;
   s.pair_offset = 0;
-  switch (ws & 3) {
-    case K_QKV: s.w = lptr(lp, L_QKV); s.k = H; units = (Hq + 2 * Hk) * D; break;
-    case K_O: s.w = lptr(lp, L_O); s.k = Hq * D; units = H; break;
-    case K_GU: s.w = lptr(lp, L_GATE_UP); s.k = H; units = I; s.pair_offset = I; break;
-    default: s.w = lptr(lp, L_DOWN); s.k = I; units = H; break;
+  switch (kind) {
+    case K_QKV: s.k = H; units = (Hq + 2 * Hk) * D; break;
+    case K_O: s.k = Hq * D; units = H; break;
+    case K_GU: s.k = H; units = I; s.pair_offset = I; break;
+    default: s.k = I; units = H; break;
   }
   // balanced: every block gets at least one unit (step_kernel.py keeps the grid <= every stage's units)
   s.u0 = (int)blockIdx.x * units / (int)gridDim.x;
@@ -340,19 +349,26 @@ __device__ Stage stage_of(const Args& a, const int64_t* tab, int ws, int ring_by
   return s;
 }
 
+// weight stage ws: its kind's part (kinds[4], in shared memory) with the layer's weights from tab, the
+// layers' pointer table copied into shared memory at the start
+__device__ __forceinline__ Stage stage_of(const Stage* kinds, const int64_t* tab, int ws) {
+  Stage s = kinds[ws & 3];
+  s.w = lptr(tab + (ws >> 2) * NUM_LAYER_FIELDS, kind_field(ws & 3));
+  return s;
+}
+
 // The chunks are numbered in stream order: chunk c of weight stage ws is chunk0(ws) + c. Every layer's
 // stages have the same shapes, so a layer has the same chunks.
 struct Chunks {
   int base[4];
   int per_layer;
 };
-template <typename T>
-__device__ Chunks chunks_of(const Args& a, const int64_t* tab, int ring_bytes) {
+__device__ Chunks chunks_of(const Stage* kinds) {
   Chunks c;
   int n = 0;
   for (int kind = 0; kind < 4; ++kind) {
     c.base[kind] = n;
-    n += stage_of<T>(a, tab, kind, ring_bytes).nch;
+    n += kinds[kind].nch;
   }
   c.per_layer = n;
   return c;
@@ -374,12 +390,12 @@ struct Ring {
 __device__ __forceinline__ void chunk_wait(const Ring& r, int j) { mbar_wait(r.chunk + j % NCB, (j / NCB) & 1); }
 
 template <typename T>
-__device__ void copy_weights(const Args& a, const int64_t* tab, char* ring, int ring_bytes, const Ring& r,
+__device__ void copy_weights(const Stage* kinds, const int64_t* tab, char* ring, int ring_bytes, const Ring& r,
                              const Chunks& ck, int total_ws) {
   int head = 0, used = 0, rel = 0;  // rel: the oldest stage not yet released
   int size[RING_SLOTS];             // a stage's bytes in the ring, its chunks' and their padding
   for (int ws = 0; ws < total_ws; ++ws) {
-    const Stage s = stage_of<T>(a, tab, ws, ring_bytes);
+    const Stage s = stage_of(kinds, tab, ws);
     const int slot = ws % RING_SLOTS;
     while (ws - rel >= RING_SLOTS) {  // the slot's last stage released first: its size is taken back
       mbar_wait(r.empty + rel % RING_SLOTS, (rel / RING_SLOTS) & 1);
@@ -943,6 +959,8 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
   const int total_ws = 4 * L;
   __shared__ __align__(8) uint64_t chunk_bar[NCB], empty[RING_SLOTS];
   __shared__ int chunk_off[NCB];
+  __shared__ Stage kinds[4];  // this block's part of each projection, the same every layer
+  if (threadIdx.x < 4) kinds[threadIdx.x] = stage_shape<T>(a, threadIdx.x, ring_bytes);
   if (threadIdx.x == 0) {
     for (int i = 0; i < NCB; ++i) mbar_init(chunk_bar + i, 1);
     for (int i = 0; i < RING_SLOTS; ++i) mbar_init(empty + i, CW);
@@ -979,9 +997,9 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     }
   }
   __syncthreads();
-  const Chunks ck = chunks_of<T>(a, tab, ring_bytes);
+  const Chunks ck = chunks_of(kinds);
   if (warp == CW) {  // the copy warp: one lane streams every weight stage into the ring, then leaves
-    if (lane == 0) copy_weights<T>(a, tab, ring, ring_bytes, r, ck, total_ws);
+    if (lane == 0) copy_weights<T>(kinds, tab, ring, ring_bytes, r, ck, total_ws);
     return;
   }
   // this launch's tags: base + layer + 1, base advanced by L at the end of every launch
@@ -1021,7 +1039,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     }
     MARK(0, 2);
     {
-      const Stage s = stage_of<T>(a, tab, 4 * layer + K_QKV, ring_bytes);
+      const Stage s = stage_of(kinds, tab, 4 * layer + K_QKV);
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_QKV);
       if (tr) rw.first_in();
       MARK(0, 3);
@@ -1047,7 +1065,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     csync();
     MARK(2, 2);
     {
-      const Stage s = stage_of<T>(a, tab, 4 * layer + K_O, ring_bytes);
+      const Stage s = stage_of(kinds, tab, 4 * layer + K_O);
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_O);
       if (tr) rw.first_in();
       MARK(2, 3);
@@ -1070,7 +1088,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     }
     MARK(3, 2);
     {
-      const Stage s = stage_of<T>(a, tab, 4 * layer + K_GU, ring_bytes);
+      const Stage s = stage_of(kinds, tab, 4 * layer + K_GU);
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_GU);
       if (tr) rw.first_in();
       MARK(3, 3);
@@ -1090,7 +1108,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     csync();
     MARK(4, 2);
     {
-      const Stage s = stage_of<T>(a, tab, 4 * layer + K_DOWN, ring_bytes);
+      const Stage s = stage_of(kinds, tab, 4 * layer + K_DOWN);
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_DOWN);
       if (tr) rw.first_in();
       MARK(4, 3);
