@@ -76,7 +76,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _THREADS_WARPS = 16  # NW in the kernel: 512 threads
 _MAX_GROUP = 8
 _MAX_SPLITS = 16
-# the kernel's static shared memory (mbarriers, chunk offsets, the four stage kinds: 960 B) fits in this
+# the kernel's static shared memory (mbarriers, chunk offsets, the four stage kinds: 992 B) fits in this
 _STATIC_SMEM = 1024
 _TRACE_POINTS = 25  # clock readings a layer: 5 stages x (start, weights issued, inputs in, weights in, done)
 _lib: ctypes.CDLL | None = None

@@ -305,6 +305,7 @@ struct Stage {
   int npre;            // of them, prefetched into the ring
   int bytes;           // of the prefetched part
   int upc, nch;        // units a chunk, chunks of the prefetched part
+  unsigned upc_m;      // ceil(2^32 / upc) (0 for upc 1): chunk_of divides by upc with it
 };
 // the kernel's static shared memory: the chunks' barriers and offsets, the ring slots' barriers, the four
 // stage kinds (kinds[] in the kernel)
@@ -345,8 +346,14 @@ __device__ Stage stage_shape(const Args& a, int kind, int ring_bytes) {
   s.npre = unit_bytes <= ring_bytes / 5 * 2 ? min(s.n, (ring_bytes / 5 * 3) / unit_bytes) : 0;
   s.bytes = s.npre * unit_bytes;
   s.upc = max(1, STEP_CHUNK / unit_bytes);
+  s.upc_m = s.upc == 1 ? 0u : (unsigned)(((1ull << 32) + s.upc - 1) / s.upc);
   s.nch = (s.npre + s.upc - 1) / s.upc;
   return s;
+}
+
+// the chunk of unit u, u / upc without a division: exact while u * upc < 2^32 (u is below a stage's rows)
+__device__ __forceinline__ int chunk_of(const Stage& s, int u) {
+  return s.upc == 1 ? u : (int)__umulhi((unsigned)u, s.upc_m);
 }
 
 // weight stage ws: its kind's part (kinds[4], in shared memory) with the layer's weights from tab, the
@@ -387,7 +394,8 @@ struct Ring {
   int* chunk_off;
 };
 
-__device__ __forceinline__ void chunk_wait(const Ring& r, int j) { mbar_wait(r.chunk + j % NCB, (j / NCB) & 1); }
+// chunk j's barrier and the parity of its j / NCB-th use (j >= 0: unsigned, so % and / are a mask and a shift)
+__device__ __forceinline__ void chunk_wait(const Ring& r, unsigned j) { mbar_wait(r.chunk + j % NCB, (j / NCB) & 1); }
 
 template <typename T>
 __device__ void copy_weights(const Stage* kinds, const int64_t* tab, char* ring, int ring_bytes, const Ring& r,
@@ -443,13 +451,13 @@ struct Rows {
   __device__ __forceinline__ const char* unit(int u, bool& smem) const {
     smem = u < s->npre;
     if (!smem) return s->w + (size_t)(s->u0 + u) * rb;
-    const int c = u / s->upc;
+    const int c = chunk_of(*s, u);
     chunk_wait(*r, j0 + c);
-    return ring + r->chunk_off[(j0 + c) % NCB] + (size_t)(u - c * s->upc) * rb;
+    return ring + r->chunk_off[(unsigned)(j0 + c) % NCB] + (size_t)(u - c * s->upc) * rb;
   }
   __device__ __forceinline__ const char* up(const char* gate, int u, bool smem) const {
     if (!smem) return gate + (size_t)s->pair_offset * rb;
-    const int first = u / s->upc * s->upc;
+    const int first = chunk_of(*s, u) * s->upc;
     return gate + (size_t)min(s->upc, s->npre - first) * rb;
   }
   // the trace's "weights in": the stage's first chunk
