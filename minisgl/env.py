@@ -45,8 +45,9 @@ class Env:
     @property
     def decode_step(self) -> bool:
         """Run a one-request decode step's layers as one persistent CUDA kernel on Hopper GPUs where nvcc
-        is present (kernel/step_kernel.py, MINISGL_DECODE_STEP=1); off by default: on an H200 it measured
-        slower than the layers' own kernels (docs/BENCHMARKS.md)."""
+        is present (kernel/step_kernel.py, MINISGL_DECODE_STEP=1); off by default: faster than the layers'
+        own kernels on an H100, not yet measured as it is now on an H200, where an earlier version was
+        slower (docs/BENCHMARKS.md)."""
         return _flag("MINISGL_DECODE_STEP")
 
     @property

@@ -6,7 +6,8 @@ weights into shared memory meanwhile.
 The kernel is built with nvcc once per machine (into MINISGL_CACHE_DIR) and called through ctypes on
 torch's current stream, so CUDA graphs capture it as one node. Its argument block is a row of int64 in
 the order of _FIELDS, which the library reports and this module checks. MINISGL_DECODE_STEP=1 turns it on
-(it is off by default: on an H200 it measured slower than the layers' own kernels, docs/BENCHMARKS.md);
+(it is off by default: faster than the layers' own kernels on an H100, not yet measured on an H200 as it
+is now, where it measured slower before, docs/BENCHMARKS.md);
 where nvcc or a Hopper GPU is missing, the layers run as before."""
 
 from __future__ import annotations
