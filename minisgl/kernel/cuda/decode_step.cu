@@ -46,7 +46,8 @@ constexpr int STAGES = 5;      // trace: stages a layer
 constexpr int POINTS = 5;      // trace: clock readings a stage
 
 // STEP_NO_GEMV (a measurement: wrong outputs): the projections' dot products left out; likewise
-// STEP_NO_KEYS, attention's key loop, and STEP_NO_WMERGE, the merge of a split's warps
+// STEP_NO_KEYS, attention's key loop (2: the loop kept, its keys' loads left out), and STEP_NO_WMERGE, the
+// merge of a split's warps
 #ifndef STEP_NO_GEMV
 #define STEP_NO_GEMV 0
 #endif
@@ -55,6 +56,21 @@ constexpr int POINTS = 5;      // trace: clock readings a stage
 #endif
 #ifndef STEP_NO_WMERGE
 #define STEP_NO_WMERGE 0
+#endif
+// STEP_NO_STREAM (a measurement: wrong outputs): the copy warp completes each chunk's barrier without copying
+// (the ring holds zeros), so the step runs at the pace of its dependencies alone; STEP_STREAM_ONLY: the
+// compute warps only wait for each stage's chunks and release them, so the step runs at the weight stream's
+// pace alone
+#ifndef STEP_NO_STREAM
+#define STEP_NO_STREAM 0
+#endif
+#ifndef STEP_STREAM_ONLY
+#define STEP_STREAM_ONLY 0
+#endif
+// STEP_L2_AHEAD = A > 0: as the copy warp starts a weight stage it asks L2 for this block's rows of the stage
+// A stages later (bulk prefetches: no shared memory, no barrier), so the ring's copies find them there
+#ifndef STEP_L2_AHEAD
+#define STEP_L2_AHEAD 0
 #endif
 // The weight stream is copied in chunks of whole units of at most STEP_CHUNK bytes (one unit when a unit is
 // larger), each completed on its own mbarrier, so a warp starts on its rows as soon as their chunk is in,
@@ -411,6 +427,17 @@ __device__ void copy_weights(const Stage* kinds, const int64_t* tab, char* ring,
       ++rel;
     }
     size[slot] = 0;
+    if (STEP_L2_AHEAD > 0 && ws + STEP_L2_AHEAD < total_ws) {
+      const Stage f = stage_of(kinds, tab, ws + STEP_L2_AHEAD);
+      const size_t frb = (size_t)f.k * sizeof(T);
+      for (int part = 0; part < (f.pair_offset ? 2 : 1); ++part) {
+        const char* base = f.w + (size_t)(f.u0 + part * f.pair_offset) * frb;
+        for (size_t o = 0; o < (size_t)f.n * frb; o += 16384) {
+          const unsigned n = (unsigned)min((size_t)16384, (size_t)f.n * frb - o);
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + o), "r"(n) : "memory");
+        }
+      }
+    }
     const size_t rb = (size_t)s.k * sizeof(T);
     const int unit_bytes = (s.pair_offset ? 2 : 1) * (int)rb;
     const int j0 = chunk0(ck, ws);
@@ -433,6 +460,10 @@ __device__ void copy_weights(const Stage* kinds, const int64_t* tab, char* ring,
       r.chunk_off[j % NCB] = off;  // released to the warps by the chunk's arrival
       uint64_t* bar = r.chunk + j % NCB;
       const unsigned run = (unsigned)(nu * rb);
+      if (STEP_NO_STREAM) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(bar)) : "memory");
+        continue;
+      }
       mbar_expect(bar, (unsigned)bytes);
       bulk_copy(ring + off, s.w + (s.u0 + first) * rb, run, bar);
       if (s.pair_offset) bulk_copy(ring + off + run, s.w + (s.u0 + s.pair_offset + first) * rb, run, bar);
@@ -697,7 +728,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
   uint4 kp[PRE_ROUNDS], vp[PRE_ROUNDS];
 #pragma unroll
   for (int r = 0; r < PRE_ROUNDS; ++r) {
-    if (cx.pslot[r] >= 0) {
+    if (cx.pslot[r] >= 0 && STEP_NO_KEYS != 2) {
       kp[r] = ld_cg(kc + (int64_t)cx.pslot[r] * skt + dim_off);
       vp[r] = ld_cg(vc + (int64_t)cx.pslot[r] * skt + dim_off);
     } else {
@@ -751,8 +782,8 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     for (int g = 0; g < GM; ++g) {
       // STEP_NO_KEYS: every warp's part a finite zero, so the merges run on numbers (NaNs would reach the
       // sampler and stop the run)
-      m[g] = STEP_NO_KEYS ? 0.f : -INFINITY;
-      l[g] = STEP_NO_KEYS ? 1.f : 0.f;
+      m[g] = STEP_NO_KEYS == 1 ? 0.f : -INFINITY;
+      l[g] = STEP_NO_KEYS == 1 ? 1.f : 0.f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         q[g][e] = g < group ? qs[g * D + sl * E + e] * a.scale_log2 : 0.f;
@@ -793,12 +824,12 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
 #pragma unroll
     for (int r = 0; r < PRE_ROUNDS; ++r) {
       const int t0 = start + (r * CW + warp) * KPW;
-      if (t0 < end && !STEP_NO_KEYS) key(t0 + sub, kp[r], vp[r]);
+      if (t0 < end && STEP_NO_KEYS != 1) key(t0 + sub, kp[r], vp[r]);
     }
-    for (int t0 = start + (PRE_ROUNDS * CW + warp) * KPW; t0 < end && !STEP_NO_KEYS; t0 += CW * KPW) {
+    for (int t0 = start + (PRE_ROUNDS * CW + warp) * KPW; t0 < end && STEP_NO_KEYS != 1; t0 += CW * KPW) {
       const int t = t0 + sub;
       uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
-      if (t < end && t != last) {
+      if (t < end && t != last && STEP_NO_KEYS != 2) {
         const int64_t slot = __ldcg(pt + t);
         ku = ld_cg(kc + slot * skt + dim_off);
         vu = ld_cg(vc + slot * skt + dim_off);
@@ -1004,6 +1035,9 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       cx.pslot[rr] = cx.split >= 0 && t < cx.end && t != cx.last ? __ldcg(pt + t) : -1;
     }
   }
+  if (STEP_NO_STREAM) {
+    for (int i = threadIdx.x; i < ring_bytes / 16; i += NT) reinterpret_cast<uint4*>(ring)[i] = make_uint4(0, 0, 0, 0);
+  }
   __syncthreads();
   const Chunks ck = chunks_of(kinds);
   if (warp == CW) {  // the copy warp: one lane streams every weight stage into the ring, then leaves
@@ -1023,6 +1057,24 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     long long* tr = trace && threadIdx.x == 0 ? trace + ((size_t)blockIdx.x * L + layer) * STAGES * POINTS : nullptr;
 #define MARK(stage, point) \
   if (tr) tr[(stage) * POINTS + (point)] = clock64()
+#if STEP_STREAM_ONLY
+    for (int kind = 0; kind < 4; ++kind) {
+      const int st = kind == K_QKV ? 0 : kind + 1;
+      MARK(st, 0);
+      MARK(st, 1);
+      MARK(st, 2);
+      const Stage s = stage_of(kinds, tab, 4 * layer + kind);
+      const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + kind);
+      MARK(st, 3);
+      for (int c = warp; c < s.nch; c += CW) chunk_wait(r, rw.j0 + c);
+      ring_release(r, 4 * layer + kind);
+      csync();
+      MARK(st, 4);
+      if (kind == K_QKV)
+        for (int p = 0; p < POINTS; ++p) MARK(1, p);
+    }
+    continue;
+#endif
     // qkv: h = y + h2 (x on the first layer), normalised into vec
     MARK(0, 0);
     MARK(0, 1);
