@@ -43,12 +43,20 @@ class Env:
         return _flag("MINISGL_LAYER_KERNEL")
 
     @property
-    def decode_step(self) -> bool:
-        """Run a one-request decode step's layers as one persistent CUDA kernel on Hopper GPUs where nvcc
-        is present (kernel/step_kernel.py, MINISGL_DECODE_STEP=1); off by default: faster than the layers'
-        own kernels on an H100, not yet measured as it is now on an H200, where an earlier version was
-        slower (docs/BENCHMARKS.md)."""
-        return _flag("MINISGL_DECODE_STEP")
+    def decode_step(self) -> str:
+        """Whether a one-request decode step's layers run as one persistent CUDA kernel on Hopper GPUs where
+        nvcc is present (kernel/step_kernel.py), MINISGL_DECODE_STEP: "auto" (unset, the default) times the
+        kernel and the layers' own kernels when the batch-1 decode graph is captured and keeps the faster
+        (engine/graph/decode.py; without decode graphs the layers' kernels run); "on" (1) always the kernel,
+        "off" (0) never."""
+        value = os.environ.get("MINISGL_DECODE_STEP", "auto").strip().lower()
+        if value in ("", "auto"):
+            return "auto"
+        if value in ("1", "true", "yes", "on"):
+            return "on"
+        if value in ("0", "false", "no", "off"):
+            return "off"
+        raise ValueError(f"MINISGL_DECODE_STEP must be auto, 1 (on) or 0 (off), not {value!r}")
 
     @property
     def decode_step_splits(self) -> int | None:

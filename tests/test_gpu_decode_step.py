@@ -123,6 +123,35 @@ def test_decode_step_in_batches_shrinking_from_8_to_1_qwen3_06b_bf16(step_launch
     _assert_same_greedy(fast, ref, tie=0.5)
 
 
+def test_decode_step_auto_times_both_ways_and_keeps_the_faster(monkeypatch):
+    """MINISGL_DECODE_STEP unset (auto): the batch-1 decode graph is captured both ways and each timed;
+    the faster is kept and the backend plans it from then on; the greedy tokens are the reference path's."""
+    monkeypatch.delenv("MINISGL_DECODE_STEP", raising=False)
+    calls: list[int] = []
+    real = kernel.decode_step
+    monkeypatch.setattr(kernel, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = os.path.join(CONFIGS, "qwen3-0.6b")
+    prompts = [random_prompt(n, 151936, seed=70 + n) for n in (12, 300)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2)
+    common = {
+        "dtype": torch.bfloat16,
+        "load_format": "dummy",
+        "max_running_req": 1,
+        "max_seq_len_override": 1024,
+    }
+    ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
+    assert not calls
+    with make_llm(model, show_progress=False, attn="triton", cuda_graph_max_bs=1, **common) as llm:
+        engine = llm.scheduler.engine
+        ms = engine.graph_runner.whole_step_ms
+        assert set(ms) == {True, False} and all(0.0 < t < 100.0 for t in ms.values()), ms
+        assert calls, "the one-kernel step was never captured"
+        assert engine.attn_backend.step_kernel == (ms[True] < ms[False])
+        assert not engine.attn_backend.whole_step_undecided
+        fast = llm.generate(prompts, params)
+    _assert_same_greedy(fast, ref, tie=0.5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3"])
 def test_decode_step_tiny_fp32_equals_hf(arch, tmp_path, step_launches):
     """Tiny float32 models with 64-dim heads (the kernel serves 64 and 128): Llama with a tied head, Llama

@@ -575,6 +575,33 @@ def test_decode_tile_sets_the_programs_an_sm_its_split_count_aims_for(monkeypatc
             TritonAttnBackend(setup.config, setup.pool, setup.page_table)
 
 
+def test_the_decode_step_switch_reads_auto_on_and_off_and_refuses_the_rest(monkeypatch):
+    """MINISGL_DECODE_STEP: unset or auto lets the decode graph runner time the one-kernel step (where it
+    builds), 1 / 0 and their spellings force it on / off, anything else is refused naming the variable when
+    a backend is built; on a CPU the one-kernel step is never planned either way."""
+    from minisgl.env import ENV
+
+    setup = PagedSetup(4, 4, 2, [3])
+    monkeypatch.delenv("MINISGL_DECODE_STEP", raising=False)
+    assert ENV.decode_step == "auto"
+    for value, mode in (
+        ("auto", "auto"),
+        (" AUTO ", "auto"),
+        ("1", "on"),
+        ("on", "on"),
+        ("0", "off"),
+        ("no", "off"),
+    ):
+        monkeypatch.setenv("MINISGL_DECODE_STEP", value)
+        assert ENV.decode_step == mode
+        backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
+        assert not backend.step_kernel and not backend.whole_step_undecided
+    for bad in ("2", "maybe"):
+        monkeypatch.setenv("MINISGL_DECODE_STEP", bad)
+        with pytest.raises(ValueError, match="MINISGL_DECODE_STEP"):
+            TritonAttnBackend(setup.config, setup.pool, setup.page_table)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("num_sms", [1, 1000])  # one split (direct output) and one split per key block
 @pytest.mark.parametrize("rot_dim", [HEAD_DIM, 16])  # 16: partial rotary

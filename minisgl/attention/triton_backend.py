@@ -125,13 +125,17 @@ class TritonAttnBackend(BaseAttnBackend):
         # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
         self.layer_kernel = ENV.layer_kernel
         # the whole one-request step as one CUDA launch where it builds (kernel/step_kernel.py); not with a
-        # sliding window, whose keys the kernel does not cut
-        self.step_kernel = (
+        # sliding window, whose keys the kernel does not cut. Under MINISGL_DECODE_STEP=auto it waits for
+        # the decode graph runner's timing (choose_whole_step)
+        mode = ENV.decode_step  # read on every device, so a malformed value is refused anywhere
+        step = (
             on_gpu
             and not config.windows
             and kv_pool.k_buffer.dtype == config.dtype
             and decode_step_available(config.device)
         )
+        self.step_kernel = step and mode == "on"
+        self.whole_step_undecided = step and mode == "auto"
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
         self._staging = HostRing(config.device)  # pinned buffers for the extend metadata
@@ -227,6 +231,10 @@ class TritonAttnBackend(BaseAttnBackend):
             "block_n": meta.tile[0],
             "precision": self.precision,
         }
+
+    def choose_whole_step(self, on: bool) -> None:
+        self.step_kernel = on
+        self.whole_step_undecided = False
 
     def step_inputs(self, batch: Batch) -> dict:
         meta = batch.attn_metadata

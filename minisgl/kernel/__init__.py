@@ -68,7 +68,8 @@ def decode_layer_fits(weights: LayerWeights) -> bool:
 
 
 def decode_step_available(device: torch.device) -> bool:
-    """Whether kernel.decode_step runs on device (kernel/step_kernel.py: a Hopper GPU, nvcc, switched on)."""
+    """Whether kernel.decode_step may run on device (kernel/step_kernel.py: a Hopper GPU, nvcc, not switched
+    off)."""
     from . import step_kernel as step
 
     return step.available(device)
@@ -91,12 +92,23 @@ def step_weights(
     return step.step_weights(layers, num_heads, num_kv_heads, head_dim, cos_sin_cache)
 
 
+_step_calls = 0
+
+
+def decode_step_calls() -> int:
+    """How many times decode_step has been called in this process (eager steps and graph captures): a graph
+    runner tells from it whether a capture ran the kernel (a model it does not serve runs its layers)."""
+    return _step_calls
+
+
 def decode_step(x: torch.Tensor, weights: StepWeights, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Every dense layer of a one-request decode step in one CUDA launch (kernel/step_kernel.py): (the last
     MLP output, the residual) of the embedding row x. `inputs`: the attention backend's step_inputs. Its
     reference is the layers' own modules."""
     from . import step_kernel as step
 
+    global _step_calls
+    _step_calls += 1
     return step.decode_step(x, weights, **inputs)
 
 

@@ -5,10 +5,10 @@ weights into shared memory meanwhile.
 
 The kernel is built with nvcc once per machine (into MINISGL_CACHE_DIR) and called through ctypes on
 torch's current stream, so CUDA graphs capture it as one node. Its argument block is a row of int64 in
-the order of _FIELDS, which the library reports and this module checks. MINISGL_DECODE_STEP=1 turns it on
-(it is off by default: faster than the layers' own kernels on an H100, not yet measured on an H200 as it
-is now, where it measured slower before, docs/BENCHMARKS.md);
-where nvcc or a Hopper GPU is missing, the layers run as before."""
+the order of _FIELDS, which the library reports and this module checks. By default (MINISGL_DECODE_STEP
+unset or auto) the decode graph runner times it against the layers' own kernels when it captures the
+batch-1 graph and keeps the faster (engine/graph/decode.py); MINISGL_DECODE_STEP=1 always runs it, =0
+never; where nvcc or a Hopper GPU is missing, the layers run as before."""
 
 from __future__ import annotations
 
@@ -166,8 +166,9 @@ def buildable(device: torch.device) -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the one-kernel decode step runs on device: switched on (MINISGL_DECODE_STEP=1), buildable."""
-    return ENV.decode_step and buildable(device)
+    """Whether the one-kernel decode step may run on device: not switched off (MINISGL_DECODE_STEP=0),
+    buildable. Under "auto" the decode graph runner then times it against the layers' own kernels."""
+    return ENV.decode_step != "off" and buildable(device)
 
 
 class StepWeights(NamedTuple):

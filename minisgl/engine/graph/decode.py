@@ -4,6 +4,7 @@ the batches that sample (`DecodeGraphRunner`)."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,11 @@ logger = init_logger(__name__)
 # A decode step's graph inputs, [4, batch]: the scheduler packs them in this order next to each other
 # (Batch.graph_inputs), so a replay copies them into the graph's fixed buffer with one copy.
 DECODE_INPUTS = InputRows(("positions", "out_loc", "table_idx", "seq_lens_t"))
+
+# the context at which a one-request step is timed both ways (MINISGL_DECODE_STEP=auto): W2's order of
+# magnitude; the one-kernel step's attention splits each KV head's keys at most 16 ways, so its lead
+# shrinks with the context
+TIMING_CONTEXT = 1024
 
 
 class DecodeOutput(NamedTuple):
@@ -77,6 +83,8 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         self.sample_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph | EmulatedGraph] = {}
         self.sample_outputs: dict[tuple[int, bool, bool], SampleOutput] = {}
         self.sample_replays = 0  # sampled steps served by a sampling graph
+        # batch 1 timed both ways at capture (MINISGL_DECODE_STEP=auto): {one-kernel step?: ms a replay}
+        self.whole_step_ms: dict[bool, float] = {}
 
     @classmethod
     def create(cls, deps: GraphDeps, max_bs: int | None, max_running_req: int) -> DecodeGraphRunner | None:
@@ -101,6 +109,57 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         if deps.sample is not None:
             runner.capture_sampling()
         return runner
+
+    def _capture_one(self, size: int) -> None:
+        """As every size, except batch 1 where the attention backend has not chosen how a one-request step
+        runs (MINISGL_DECODE_STEP=auto): capture it both ways, time the two graphs at TIMING_CONTEXT keys,
+        keep the faster."""
+        backend = self.deps.attn_backend
+        if size != 1 or self.emulate or not backend.whole_step_undecided:
+            super()._capture_one(size)
+            return
+        captured = {}
+        for on in (False, True):
+            backend.choose_whole_step(on)
+            calls = kernel.decode_step_calls()
+            super()._capture_one(size)
+            captured[on] = (self.graphs[size], self.outputs[size])
+        if kernel.decode_step_calls() == calls:  # the model's layers are not the kernel's: nothing to time
+            backend.choose_whole_step(False)
+            return
+        with self._timing_row(backend) as keys:
+            ms = _fastest_replay_ms({on: graph for on, (graph, _) in captured.items()}, self.deps.device)
+        on = ms[True] < ms[False]
+        backend.choose_whole_step(on)
+        self.graphs[size], self.outputs[size] = captured[on]
+        self.whole_step_ms = ms
+        logger.info(
+            f"A one-request decode step: the one-kernel step {ms[True]:.3f} ms, the layers' own kernels "
+            f"{ms[False]:.3f} ms a graph replay at {keys} keys: keeping the "
+            + ("one-kernel step" if on else "layers' own kernels")
+            + " (MINISGL_DECODE_STEP=1 or 0 decides instead)"
+        )
+
+    @contextmanager
+    def _timing_row(self, backend):
+        """The batch-1 graphs' input row as a request at TIMING_CONTEXT keys instead of the padding row's
+        one: the dummy page-table row mapped to that many distinct slots (whatever they hold; the new K/V
+        still goes to the dummy slot), so the timing reads what a step at that context reads. Restored
+        after."""
+        table = backend.page_table
+        n = min(TIMING_CONTEXT, table.shape[1] - 1, backend.kv_pool.num_slots - 1)  # its token at position n
+        row = self.dummy_row
+        table[row, : n - 1] = torch.arange(n - 1, dtype=table.dtype, device=table.device)
+        self._inputs[:, 0] = torch.tensor(
+            DECODE_INPUTS.ordered(positions=n - 1, out_loc=self.dummy_slot, table_idx=row, seq_lens_t=n),
+            dtype=self._inputs.dtype,
+        ).to(self._inputs.device)
+        try:
+            yield n
+        finally:
+            torch.cuda.synchronize(self.deps.device)
+            table[row].fill_(self.dummy_slot)
+            self._inputs.copy_(self._pad)
 
     def can_run(self, batch: Batch) -> bool:
         # a verify step is VerifyGraphRunner's: its rows of one request must store their K/V before any
@@ -208,3 +267,22 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         self.sample_graphs[key].replay()
         self.sample_replays += 1
         return self.sample_outputs[key].tokens[:n]
+
+
+def _fastest_replay_ms(graphs: dict, device: torch.device, rounds: int = 5, replays: int = 10) -> dict:
+    """Per graph, the fastest of `rounds` timings of `replays` back-to-back replays, in ms a replay; the
+    graphs take turns, so a drift of the clocks meets each alike."""
+    best = dict.fromkeys(graphs, float("inf"))
+    for graph in graphs.values():  # a first replay loads whatever was not loaded yet
+        graph.replay()
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            best[key] = min(best[key], start.elapsed_time(end) / replays)
+    torch.cuda.synchronize(device)
+    return best
