@@ -122,7 +122,13 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         for on in (False, True):
             backend.choose_whole_step(on)
             calls = kernel.decode_step_calls()
-            super()._capture_one(size)
+            try:
+                super()._capture_one(size)
+            except RuntimeError as e:  # the kernel's launch refused (decode_step says why): keep the layers
+                logger.warning(f"The one-kernel decode step failed, the layers' own kernels run instead: {e}")
+                backend.choose_whole_step(False)
+                self.graphs[size], self.outputs[size] = captured[False]
+                return
             captured[on] = (self.graphs[size], self.outputs[size])
         if kernel.decode_step_calls() == calls:  # the model's layers are not the kernel's: nothing to time
             backend.choose_whole_step(False)
