@@ -26,15 +26,19 @@ pytestmark = [
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "minisgl", "benchmark", "configs")
 
 
-@pytest.fixture
-def step_launches(monkeypatch) -> list[int]:
-    """Switches the kernel on (MINISGL_DECODE_STEP=1) and counts kernel.decode_step calls (eager steps and
-    graph captures)."""
-    monkeypatch.setenv("MINISGL_DECODE_STEP", "1")
+def _count_step_calls(monkeypatch) -> list[int]:
+    """A list that grows by one at every kernel.decode_step call (eager steps and graph captures)."""
     calls: list[int] = []
     real = kernel.decode_step
     monkeypatch.setattr(kernel, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
+
+
+@pytest.fixture
+def step_launches(monkeypatch) -> list[int]:
+    """Switches the kernel on (MINISGL_DECODE_STEP=1) and counts kernel.decode_step calls."""
+    monkeypatch.setenv("MINISGL_DECODE_STEP", "1")
+    return _count_step_calls(monkeypatch)
 
 
 def _generate(model: str, prompts, params, **kwargs):
@@ -127,9 +131,7 @@ def test_decode_step_auto_times_both_ways_and_keeps_the_faster(monkeypatch):
     """MINISGL_DECODE_STEP unset (auto): the batch-1 decode graph is captured both ways and each timed;
     the faster is kept and the backend plans it from then on; the greedy tokens are the reference path's."""
     monkeypatch.delenv("MINISGL_DECODE_STEP", raising=False)
-    calls: list[int] = []
-    real = kernel.decode_step
-    monkeypatch.setattr(kernel, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_step_calls(monkeypatch)
     model = os.path.join(CONFIGS, "qwen3-0.6b")
     prompts = [random_prompt(n, 151936, seed=70 + n) for n in (12, 300)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2)
