@@ -72,6 +72,11 @@ constexpr int POINTS = 5;      // trace: clock readings a stage
 #ifndef STEP_L2_AHEAD
 #define STEP_L2_AHEAD 0
 #endif
+// STEP_DOT_SUMS: independent sums a row keeps in a projection's dot product where a warp takes several
+// rows (one row always keeps two): more shortens each chain of dependent FMAs
+#ifndef STEP_DOT_SUMS
+#define STEP_DOT_SUMS 1
+#endif
 // The weight stream is copied in chunks of whole units of at most STEP_CHUNK bytes (one unit when a unit is
 // larger), each completed on its own mbarrier, so a warp starts on its rows as soon as their chunk is in,
 // and the copy warp keeps at most STEP_PACE chunks in flight (0: as many as the ring has room for): the
@@ -511,12 +516,13 @@ __device__ __forceinline__ void ring_release(const Ring& r, int ws) {
 
 // N rows of W (in shared memory or global) times vec (shared memory, T), each summed over the warp: each
 // lane reads 16 bytes of every row and 16 of vec, so no read has bank conflicts; every load of a round is
-// issued before its arithmetic, and one row keeps two sums (the chains are half as long)
+// issued before its arithmetic, and one row keeps two sums (the chains are half as long; several rows
+// STEP_DOT_SUMS each)
 template <typename T, int N>
 __device__ __forceinline__ void rows_dot(const char* const* p, const bool* sm, const T* vec, int k, int lane,
                                          float* out) {
   constexpr int E = Vec<T>::N;
-  constexpr int A = N == 1 ? 2 : 1;
+  constexpr int A = N == 1 ? 2 : STEP_DOT_SUMS;
   float acc[N][A];
 #pragma unroll
   for (int j = 0; j < N; ++j)
@@ -541,7 +547,11 @@ __device__ __forceinline__ void rows_dot(const char* const* p, const bool* sm, c
     }
   }
 #pragma unroll
-  for (int j = 0; j < N; ++j) out[j] = A == 2 ? acc[j][0] + acc[j][A - 1] : acc[j][0];
+  for (int j = 0; j < N; ++j) {
+    out[j] = acc[j][0];
+#pragma unroll
+    for (int c = 1; c < A; ++c) out[j] += acc[j][c];
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
