@@ -125,6 +125,8 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
             try:
                 super()._capture_one(size)
             except RuntimeError as e:  # the kernel's launch refused (decode_step says why): keep the layers
+                if not on:
+                    raise
                 logger.warning(f"The one-kernel decode step failed, the layers' own kernels run instead: {e}")
                 backend.choose_whole_step(False)
                 self.graphs[size], self.outputs[size] = captured[False]
@@ -134,7 +136,7 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
             backend.choose_whole_step(False)
             return
         with self._timing_row(backend) as keys:
-            ms = _fastest_replay_ms({on: graph for on, (graph, _) in captured.items()}, self.deps.device)
+            ms = _fastest_replay_ms({on: graph for on, (graph, _) in captured.items()})
         on = ms[True] < ms[False]
         backend.choose_whole_step(on)
         self.graphs[size], self.outputs[size] = captured[on]
@@ -275,7 +277,7 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         return self.sample_outputs[key].tokens[:n]
 
 
-def _fastest_replay_ms(graphs: dict, device: torch.device, rounds: int = 5, replays: int = 10) -> dict:
+def _fastest_replay_ms(graphs: dict, rounds: int = 5, replays: int = 10) -> dict:
     """Per graph, the fastest of `rounds` timings of `replays` back-to-back replays, in ms a replay; the
     graphs take turns, so a drift of the clocks meets each alike."""
     best = dict.fromkeys(graphs, float("inf"))
@@ -290,5 +292,4 @@ def _fastest_replay_ms(graphs: dict, device: torch.device, rounds: int = 5, repl
             end.record()
             end.synchronize()
             best[key] = min(best[key], start.elapsed_time(end) / replays)
-    torch.cuda.synchronize(device)
     return best
