@@ -44,11 +44,11 @@ class Env:
 
     @property
     def decode_step(self) -> str:
-        """Whether a one-request decode step's layers run as one persistent CUDA kernel on Hopper GPUs where
-        nvcc is present (kernel/step_kernel.py), MINISGL_DECODE_STEP: "auto" (unset, the default) times the
-        kernel and the layers' own kernels when the batch-1 decode graph is captured and keeps the faster
-        (engine/graph/decode.py; without decode graphs the layers' kernels run); "on" (1) always the kernel,
-        "off" (0) never."""
+        """Whether the layers of a decode step of 1-8 requests run as one persistent CUDA kernel on Hopper
+        GPUs where nvcc is present (kernel/step_kernel.py), MINISGL_DECODE_STEP: "auto" (unset, the default)
+        times the kernel and the layers' own kernels when each of those sizes' decode graphs is captured and
+        keeps the faster (engine/graph/decode.py; without decode graphs the layers' kernels run); "on" (1)
+        always the kernel where it serves the batch, "off" (0) never."""
         value = os.environ.get("MINISGL_DECODE_STEP", "auto").strip().lower()
         if value in ("", "auto"):
             return "auto"

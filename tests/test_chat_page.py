@@ -157,7 +157,9 @@ def test_the_page_streams_the_reply_the_api_gives_for_the_same_greedy_request(se
     page.ask(QUESTION)
     got = page.reply()
     text, tokens, pieces = api_reply(service.url, greedy_body(400))
-    assert 1 < pieces <= tokens, "the reference stream: one piece (the test would see no stream), or more pieces than tokens"
+    assert 1 < pieces <= tokens, (
+        "the reference stream: one piece (the test would see no stream), or more pieces than tokens"
+    )
     assert got["raw"] == text
     # shown piece by piece as the stream arrived: at most a piece a token (the server may join pieces that
     # wait for the same write, for the page's stream as for the reference's, so the two counts differ)

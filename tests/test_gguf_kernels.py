@@ -106,12 +106,21 @@ def test_a_row_of_x_gets_the_same_bits_whatever_rows_go_with_it(variant, monkeyp
     9 rows go over it in two spans."""
     if variant != "native":
         monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernel_variant(variant))
-    cases = [(name, 768 if blocks.STORED_TYPES[blocks.TYPE_IDS[name]][1] == 256 else 352) for name in BLOCK_TYPES]
+    cases = [
+        (name, 768 if blocks.STORED_TYPES[blocks.TYPE_IDS[name]][1] == 256 else 352) for name in BLOCK_TYPES
+    ]
     for name, k in [*cases, ("Q4_1", 6144), ("Q6_K", 6144)]:
         t = blocks.TYPE_IDS[name]
         data = random_rows(name, 13, k, seed=k)
         x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
-        alone = torch.cat([stored_kernels.linear(x[m : m + 1], StoredWeight([StoredPart(t, data, 13, k)])) for m in range(9)])
+        alone = torch.cat(
+            [
+                stored_kernels.linear(x[m : m + 1], StoredWeight([StoredPart(t, data, 13, k)]))
+                for m in range(9)
+            ]
+        )
         for rows in range(2, 10):
             got = stored_kernels.linear(x[:rows], StoredWeight([StoredPart(t, data, 13, k)]))
-            assert torch.equal(got, alone[:rows]), f"{name}, K {k}, {rows} rows: a row's bits depend on the others"
+            assert torch.equal(got, alone[:rows]), (
+                f"{name}, K {k}, {rows} rows: a row's bits depend on the others"
+            )

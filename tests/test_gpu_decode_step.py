@@ -27,10 +27,13 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "minisgl", "benchmark", 
 
 
 def _count_step_calls(monkeypatch) -> list[int]:
-    """A list that grows by one at every kernel.decode_step call (eager steps and graph captures)."""
+    """A list that grows by the batch size at every kernel.decode_step call (eager steps and graph
+    captures)."""
     calls: list[int] = []
     real = kernel.decode_step
-    monkeypatch.setattr(kernel, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        kernel, "decode_step", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
+    )
     return calls
 
 
@@ -61,17 +64,23 @@ def _assert_same_greedy(fast, ref, tie: float) -> None:
         )
 
 
-def _assert_fp32_equals_hf(model: str, ref, prompts, what: str, **kwargs) -> None:
-    """8 greedy tokens a prompt, float32, one request at a time through the decode graph: ref's (HF's)."""
+def _assert_fp32_equals_hf(model: str, ref, prompts, what: str, batch: int = 1, **kwargs) -> None:
+    """Greedy tokens, float32, through the decode graphs: ref's (HF's). batch 1: 8 tokens a prompt, one
+    request at a time; more: up to `batch` at once, prompt i asking for 3 + 2 i tokens, so the batch
+    shrinks as requests finish."""
     common = {
         "dtype": torch.float32,
         "attn": "triton",
-        "cuda_graph_max_bs": 1,
-        "max_running_req": 1,
+        "cuda_graph_max_bs": batch,
+        "max_running_req": batch,
         "num_page_override": 2048,
         "max_seq_len_override": 512,
     }
-    outs = _generate(model, prompts, SamplingParams(max_tokens=8, ignore_eos=True), **common, **kwargs)
+    if batch == 1:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+    else:
+        params = [SamplingParams(max_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    outs = _generate(model, prompts, params, **common, **kwargs)
     for prompt, out in zip(prompts, outs):
         assert_tokens_equal_hf(out["token_ids"], ref, prompt, what)
 
@@ -106,12 +115,18 @@ def test_decode_step_equals_reference_one_request_qwen3_06b_bf16(page_size, step
     _assert_same_greedy(fast, ref, tie=0.5)
 
 
-def test_decode_step_in_batches_shrinking_from_8_to_1_qwen3_06b_bf16(step_launches):
+@pytest.mark.parametrize(
+    "name,page_size,served",
+    [("qwen3-0.6b", 1, {1, 2, 4, 8}), ("qwen3-0.6b", 16, {1, 2, 4, 8}), ("llama-3.2-1b", 16, {1, 2, 4})],
+)
+def test_decode_step_in_batches_shrinking_from_8_to_1_bf16(name, page_size, served, step_launches):
     """Eight requests at once, each asking for a different number of tokens, so the decode batch shrinks
-    from 8 to 1 (the kernel serves the steps of one request, the layers' kernels the others): the
-    reference path's greedy tokens."""
-    model = os.path.join(CONFIGS, "qwen3-0.6b")
-    prompts = [random_prompt(n, 151936, seed=50 + n) for n in (9, 40, 100, 300, 17, 64, 250, 5)]
+    from 8 to 1 (graphs of 1, 2, 4 and 8 requests, with padding rows), one context past 4,096 keys, page
+    sizes 1 and 16: the reference path's greedy tokens. Qwen3-0.6B's shapes are served at every size;
+    Llama-3.2-1B's input rows (8,192 wide) leave too little weight ring at 8, where its layers run."""
+    model = os.path.join(CONFIGS, name)
+    vocab = 151936 if name.startswith("qwen") else 128256
+    prompts = [random_prompt(n, vocab, seed=50 + n) for n in (9, 40, 4200, 300, 17, 64, 250, 5)]
     params = [
         SamplingParams(max_tokens=4 + 4 * i, ignore_eos=True, logprobs=True, top_logprobs=2) for i in range(8)
     ]
@@ -119,17 +134,28 @@ def test_decode_step_in_batches_shrinking_from_8_to_1_qwen3_06b_bf16(step_launch
         "dtype": torch.bfloat16,
         "load_format": "dummy",
         "max_running_req": 8,
-        "max_seq_len_override": 1024,
+        "max_seq_len_override": 4400,
     }
     ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
-    fast = _generate(model, prompts, params, attn="triton", cuda_graph_max_bs=8, overlap=True, **common)
-    assert step_launches
+    fast = _generate(
+        model,
+        prompts,
+        params,
+        attn="triton",
+        cuda_graph_max_bs=8,
+        overlap=True,
+        page_size=page_size,
+        num_page_override=40_000 // page_size,
+        **common,
+    )
+    assert set(step_launches) == served, step_launches
     _assert_same_greedy(fast, ref, tie=0.5)
 
 
 def test_decode_step_auto_times_both_ways_and_keeps_the_faster(monkeypatch):
-    """MINISGL_DECODE_STEP unset (auto): the batch-1 decode graph is captured both ways and each timed;
-    the faster is kept and the backend plans it from then on; the greedy tokens are the reference path's."""
+    """MINISGL_DECODE_STEP unset (auto): the decode graphs of 1 and 2 requests are each captured both ways
+    and timed; the faster is kept and the backend plans it from then on; the greedy tokens are the
+    reference path's."""
     monkeypatch.delenv("MINISGL_DECODE_STEP", raising=False)
     calls = _count_step_calls(monkeypatch)
     model = os.path.join(CONFIGS, "qwen3-0.6b")
@@ -138,18 +164,20 @@ def test_decode_step_auto_times_both_ways_and_keeps_the_faster(monkeypatch):
     common = {
         "dtype": torch.bfloat16,
         "load_format": "dummy",
-        "max_running_req": 1,
+        "max_running_req": 2,
         "max_seq_len_override": 1024,
     }
     ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     assert not calls
-    with make_llm(model, show_progress=False, attn="triton", cuda_graph_max_bs=1, **common) as llm:
+    with make_llm(model, show_progress=False, attn="triton", cuda_graph_max_bs=2, **common) as llm:
         engine = llm.scheduler.engine
-        ms = engine.graph_runner.whole_step_ms
-        assert set(ms) == {True, False} and all(0.0 < t < 100.0 for t in ms.values()), ms
-        assert calls, "the one-kernel step was never captured"
-        assert engine.attn_backend.step_kernel == (ms[True] < ms[False])
-        assert not engine.attn_backend.whole_step_undecided
+        timed = engine.graph_runner.whole_step_ms
+        assert set(timed) == {1, 2}, timed
+        assert set(calls) == {1, 2}, "the one-kernel step was not captured at both sizes"
+        for size, ms in timed.items():
+            assert set(ms) == {True, False} and all(0.0 < t < 100.0 for t in ms.values()), ms
+            assert (size in engine.attn_backend.step_sizes) == (ms[True] < ms[False])
+        assert not engine.attn_backend.whole_step_undecided & {1, 2}
         fast = llm.generate(prompts, params)
     _assert_same_greedy(fast, ref, tie=0.5)
 
@@ -175,6 +203,11 @@ def test_decode_step_tiny_fp32_equals_hf(arch, tmp_path, step_launches):
             model, ref, prompts, f"the decode-step kernel, page size {page_size}", page_size=page_size
         )
     assert step_launches
+    # eight at once, the batch shrinking to one: every request's tokens still Hugging Face's
+    prompts = [random_prompt(n, vocab, seed) for n, seed in [(21, 4), (6, 5), (90, 6), (3, 7), (40, 8)] * 2]
+    del step_launches[:]
+    _assert_fp32_equals_hf(model, ref, prompts[:8], "the decode-step kernel, batches of 1-8", batch=8)
+    assert {1, 2, 4, 8} <= set(step_launches), step_launches
 
 
 def test_decode_step_many_small_layers_fp32_equals_hf(tmp_path, step_launches):

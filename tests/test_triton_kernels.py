@@ -595,7 +595,7 @@ def test_the_decode_step_switch_reads_auto_on_and_off_and_refuses_the_rest(monke
         monkeypatch.setenv("MINISGL_DECODE_STEP", value)
         assert ENV.decode_step == mode
         backend = TritonAttnBackend(setup.config, setup.pool, setup.page_table)
-        assert not backend.step_kernel and not backend.whole_step_undecided
+        assert not backend.step_sizes and not backend.whole_step_undecided
     for bad in ("2", "maybe"):
         monkeypatch.setenv("MINISGL_DECODE_STEP", bad)
         with pytest.raises(ValueError, match="MINISGL_DECODE_STEP"):

@@ -63,10 +63,10 @@ class BaseAttnBackend(ABC):
     supports_fp8_kv = False
     # the KV pool dtype its kernels read whatever the model's (None: the model's dtype)
     kv_dtype: torch.dtype | None = None
-    # a one-request decode step can run either way (the one-kernel step or the layers' own kernels) and
-    # neither is chosen yet: the decode graph runner times both as it captures the batch-1 graph and keeps
+    # batch sizes whose decode step can run either way (the one-kernel step or the layers' own kernels)
+    # with neither chosen yet: the decode graph runner times both as it captures the graph of each and keeps
     # the faster (choose_whole_step)
-    whole_step_undecided = False
+    whole_step_undecided: frozenset[int] = frozenset()
 
     def __init__(self, config: AttnConfig, kv_pool: KVPool, page_table: torch.Tensor) -> None:
         self.config = config
@@ -110,9 +110,9 @@ class BaseAttnBackend(ABC):
         """Under the plan's whole_step: the pool and index arguments of kernel.decode_step."""
         raise NotImplementedError(f"{type(self).__name__} does not run whole steps")
 
-    def choose_whole_step(self, on: bool) -> None:
-        """Plan one-request decode steps as the one-kernel step (on) or as the layers' own kernels from now
-        on (where whole_step_undecided)."""
+    def choose_whole_step(self, size: int, on: bool) -> None:
+        """Plan decode steps of `size` requests as the one-kernel step (on) or as the layers' own kernels
+        from now on (a size in whole_step_undecided)."""
         raise NotImplementedError(f"{type(self).__name__} does not run whole steps")
 
     # CUDA-graph hooks (decode only). A backend without graph support keeps these defaults.

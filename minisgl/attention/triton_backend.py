@@ -23,7 +23,7 @@ import torch
 import triton
 
 from minisgl.env import ENV
-from minisgl.kernel import Rope, SplitAttention, decode_step_available
+from minisgl.kernel import DECODE_STEP_MAX_BATCH, Rope, SplitAttention, decode_step_available
 from minisgl.kernel.triton import store_kv
 from minisgl.kernel.triton.attention import decode_split, extend_attention, merge_splits
 from minisgl.utils.device import HostRing
@@ -124,9 +124,9 @@ class TritonAttnBackend(BaseAttnBackend):
             self.decode_tiles = parse_decode_tiles(ENV.decode_tile, self.decode_tiles)
         # opt-in: on an H200 the layer kernel measured slower than the layer's own kernels (docs/BENCHMARKS.md)
         self.layer_kernel = ENV.layer_kernel
-        # the whole one-request step as one CUDA launch where it builds (kernel/step_kernel.py); not with a
-        # sliding window, whose keys the kernel does not cut. Under MINISGL_DECODE_STEP=auto it waits for
-        # the decode graph runner's timing (choose_whole_step)
+        # the whole decode step of up to DECODE_STEP_MAX_BATCH requests as one CUDA launch where it builds
+        # (kernel/step_kernel.py); not with a sliding window, whose keys the kernel does not cut. Under
+        # MINISGL_DECODE_STEP=auto each size waits for the decode graph runner's timing (choose_whole_step)
         mode = ENV.decode_step  # read on every device, so a malformed value is refused anywhere
         step = (
             on_gpu
@@ -134,8 +134,9 @@ class TritonAttnBackend(BaseAttnBackend):
             and kv_pool.k_buffer.dtype == config.dtype
             and decode_step_available(config.device)
         )
-        self.step_kernel = step and mode == "on"
-        self.whole_step_undecided = step and mode == "auto"
+        sizes = frozenset(range(1, DECODE_STEP_MAX_BATCH + 1)) if step else frozenset()
+        self.step_sizes = sizes if mode == "on" else frozenset()  # batch sizes planned as the kernel
+        self.whole_step_undecided = sizes if mode == "auto" else frozenset()
         # fp32 runs (the CPU-equality tests on a GPU) must not silently drop to TF32 inside tl.dot
         self.precision = "ieee" if config.dtype == torch.float32 else "tf32"
         self._staging = HostRing(config.device)  # pinned buffers for the extend metadata
@@ -168,7 +169,7 @@ class TritonAttnBackend(BaseAttnBackend):
             rope_in_attention=True,
             merge_in_o_proj=one and num_splits > 1,
             whole_layer=one and self.layer_kernel,
-            whole_step=one and self.step_kernel,
+            whole_step=batch.size in self.step_sizes,
         )
         if batch.drafts is not None:  # a verify step: rows of one request read each other's new K/V, so
             plan = _EXTEND_PLAN  # every row stores before any attends (not inside the attention kernel)
@@ -232,9 +233,9 @@ class TritonAttnBackend(BaseAttnBackend):
             "precision": self.precision,
         }
 
-    def choose_whole_step(self, on: bool) -> None:
-        self.step_kernel = on
-        self.whole_step_undecided = False
+    def choose_whole_step(self, size: int, on: bool) -> None:
+        self.step_sizes = self.step_sizes | {size} if on else self.step_sizes - {size}
+        self.whole_step_undecided = self.whole_step_undecided - {size}
 
     def step_inputs(self, batch: Batch) -> dict:
         meta = batch.attn_metadata

@@ -15,8 +15,9 @@ from . import cpu, stored
 from . import reference as ref
 from .args import LayerWeights, SamplingRows, SplitAttention
 from .args import Rope as Rope  # re-exported: the rotary layer and the attention backends build one
-from .step_kernel import StepWeights
+from .step_kernel import MAX_BATCH, StepWeights
 
+DECODE_STEP_MAX_BATCH = MAX_BATCH  # the requests one decode_step launch serves, at most
 _TRITON_ENABLED = True
 _CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
 _HALF = (torch.bfloat16, torch.float16)
@@ -92,6 +93,14 @@ def step_weights(
     return step.step_weights(layers, num_heads, num_kv_heads, head_dim, cos_sin_cache)
 
 
+def decode_step_serves(weights: StepWeights, batch: int) -> bool:
+    """Whether decode_step runs a step of `batch` requests of the model these weights are (at most eight,
+    as its shared memory and blocks allow)."""
+    from . import step_kernel as step
+
+    return step.serves(weights, batch)
+
+
 _step_calls = 0
 
 
@@ -102,9 +111,9 @@ def decode_step_calls() -> int:
 
 
 def decode_step(x: torch.Tensor, weights: StepWeights, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every dense layer of a one-request decode step in one CUDA launch (kernel/step_kernel.py): (the last
-    MLP output, the residual) of the embedding row x. `inputs`: the attention backend's step_inputs. Its
-    reference is the layers' own modules."""
+    """Every dense layer of a decode step of up to eight requests in one CUDA launch (kernel/step_kernel.py):
+    (the last MLP output, the residual) of the embedding rows x. `inputs`: the attention backend's
+    step_inputs. Its reference is the layers' own modules."""
     from . import step_kernel as step
 
     global _step_calls

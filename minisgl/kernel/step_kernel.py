@@ -1,14 +1,15 @@
-"""The decode step of one request as one persistent CUDA kernel (kernel/cuda/decode_step.cu): every dense
-decoder layer from the embedding row to the last layer's (MLP output, residual), each block spinning on
-the tagged words of the stage before instead of waiting at kernel boundaries, and streaming its next
-weights into shared memory meanwhile.
+"""The decode step of one to eight requests as one persistent CUDA kernel (kernel/cuda/decode_step.cu): every
+dense decoder layer from the embedding rows to the last layer's (MLP output, residual), each block spinning
+on the tagged words of the stage before instead of waiting at kernel boundaries, and streaming its next
+weights into shared memory meanwhile; the batch's requests share that weight stream.
 
 The kernel is built with nvcc once per machine (into MINISGL_CACHE_DIR) and called through ctypes on
 torch's current stream, so CUDA graphs capture it as one node. Its argument block is a row of int64 in
 the order of _FIELDS, which the library reports and this module checks. By default (MINISGL_DECODE_STEP
 unset or auto) the decode graph runner times it against the layers' own kernels when it captures the
-batch-1 graph and keeps the faster (engine/graph/decode.py); MINISGL_DECODE_STEP=1 always runs it, =0
-never; where nvcc or a Hopper GPU is missing, the layers run as before."""
+graph of each batch size it serves and keeps the faster (engine/graph/decode.py); MINISGL_DECODE_STEP=1
+always runs it where it serves, =0 never; where nvcc or a Hopper GPU is missing, the layers run as
+before."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ _FIELDS = (
     "inter",
     "rot_half",
     "splits",
+    "batch",
     "x_in",
     "h2",
     "y",
@@ -77,6 +79,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _THREADS_WARPS = 16  # NW in the kernel: 512 threads
 _MAX_GROUP = 8
 _MAX_SPLITS = 16
+MAX_BATCH = 8  # requests a launch (MAXB)
+_MIN_RING = 32 * 1024  # a batch whose input rows leave less of the weight ring than this is not served
 # the kernel's static shared memory (mbarriers, chunk offsets, the four stage kinds: 992 B) fits in this
 _STATIC_SMEM = 1024
 _TRACE_POINTS = 25  # clock readings a layer: 5 stages x (start, weights issued, inputs in, weights in, done)
@@ -146,6 +150,7 @@ def _load() -> ctypes.CDLL | None:
     assert tuple(fields) == tuple(_FIELDS), f"decode_step.cu's fields {fields} differ from {_FIELDS}"
     assert lib.minisgl_step_max_group() == _MAX_GROUP and lib.minisgl_step_threads() == 32 * _THREADS_WARPS
     assert lib.minisgl_step_max_splits() == _MAX_SPLITS and lib.minisgl_step_trace_points() == _TRACE_POINTS
+    assert lib.minisgl_step_max_batch() == MAX_BATCH
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
     err = lib.minisgl_step_prepare(limit - _STATIC_SMEM)
@@ -212,9 +217,9 @@ def step_weights(
 
 
 class _Buffers(NamedTuple):
-    """The plain outputs (h2, y: what decode_step returns), the stages' tagged words (w_*: a bf16 value and
-    a 16-bit tag in an int32, a float32 value and a 32-bit tag in an int64), the attention splits' tagged
-    float32 words and the counters (the tags' base, the blocks out)."""
+    """The plain outputs (h2, y [batch, hidden]: what decode_step returns), the stages' tagged words (w_*: a
+    row a request; a bf16 value and a 16-bit tag in an int32, a float32 value and a 32-bit tag in an int64),
+    the attention splits' tagged float32 words and the counters (the tags' base, the blocks out)."""
 
     h2: torch.Tensor
     y: torch.Tensor
@@ -237,26 +242,28 @@ _TRACE_MAX_LAYERS = 256
 _last_grid = 0  # blocks of the last launch made (the trace's layout)
 
 
-def _buffers(sw: StepWeights, splits: int) -> _Buffers:
-    """The step's scratch, once per model shape: kept, so CUDA graphs replay on the same addresses. The
-    words start at zero, a tag no launch waits for; the counters start at zero and the kernel advances the
-    tags' base by the layer count each launch."""
+def _buffers(sw: StepWeights, splits: int, batch: int) -> _Buffers:
+    """The step's scratch, once per model shape and batch size: kept, so CUDA graphs replay on the same
+    addresses. The words start at zero, a tag no launch waits for; the counters start at zero and the kernel
+    advances the tags' base by the layer count each launch. Each batch size has its own, so every launch
+    writes every word of its buffers at every layer: a word is never left behind long enough for the 16-bit
+    tags to come round to the one a reader waits for."""
     lw = sw.layers[0]
     dev, dtype = lw.qkv.device, lw.qkv.dtype
     hidden, inter, n_qkv = lw.qkv.shape[1], lw.down.shape[1], lw.qkv.shape[0]
-    key = (dev, dtype, hidden, inter, n_qkv, sw.heads, sw.kv_heads, sw.head_dim, splits)
+    key = (dev, dtype, hidden, inter, n_qkv, sw.heads, sw.kv_heads, sw.head_dim, splits, batch)
     if key not in _BUFFERS:
         word = torch.int32 if dtype == torch.bfloat16 else torch.int64
 
-        def row(n: int) -> torch.Tensor:
-            return torch.zeros((1, n), dtype=dtype, device=dev)
+        def rows(n: int) -> torch.Tensor:
+            return torch.zeros((batch, n), dtype=dtype, device=dev)
 
         def words(n: int, dt: torch.dtype = word) -> torch.Tensor:
-            return torch.zeros(n, dtype=dt, device=dev)
+            return torch.zeros(batch * n, dtype=dt, device=dev)
 
         _BUFFERS[key] = _Buffers(
-            row(hidden),
-            row(hidden),
+            rows(hidden),
+            rows(hidden),
             words(n_qkv),
             words(sw.heads * sw.head_dim),
             words(hidden),
@@ -287,29 +294,49 @@ def trace_view(num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:n].view(blocks, num_layers, 5, 5), t[n : n + 4 * blocks].view(blocks, 4)
 
 
-def _smem(
-    device: torch.device,
-    hidden: int,
-    inter: int,
-    q_width: int,
-    group: int,
-    head_dim: int,
-    itemsize: int,
-    num_layers: int,
-):
+def _vec_rows(batch: int) -> int:
+    """The input rows a batch's projections dot with each weight row: 1, 2, 4 or 8 (decode_step.cu's
+    vec_rows; the rows past the batch's are dotted and dropped)."""
+    return batch if batch <= 2 else 4 if batch <= 4 else MAX_BATCH
+
+
+def _smem(device: torch.device, sw: StepWeights, batch: int) -> tuple[int, int, int, int]:
     """(ring bytes, vec elements, scratch floats, total bytes) of the kernel's shared memory, laid out as
-    decode_step.cu's kernel does: the weight ring; the projection's input row, h, h2 and the next norm's
-    weights (of the model's dtype); the layers' pointer table (int64); the position's cos / sin; the
-    attention's scratch (attend() lays it out) and NW floats of reduction."""
+    decode_step.cu's kernel does: the weight ring; the projections' input rows (_vec_rows of them), the
+    batch's h and h2 and the next norm's weights (of the model's dtype); the layers' pointer table (int64);
+    the position's cos / sin; the attention's scratch (attend() lays it out) and MAXB * NW floats of
+    reduction."""
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-    vec = -(-max(hidden, inter, q_width, 2 * head_dim) // 8) * 8
-    nw, d = _THREADS_WARPS, head_dim
-    table = -(-num_layers * len(_LAYER_FIELDS) // 2) * 2
+    lw = sw.layers[0]
+    hidden, inter, itemsize = lw.qkv.shape[1], lw.down.shape[1], lw.qkv.element_size()
+    group, d = sw.heads // sw.kv_heads, sw.head_dim
+    vec = -(-max(hidden, inter, sw.heads * d, 2 * d) // 8) * 8
+    nw = _THREADS_WARPS
+    table = -(-len(sw.layers) * len(_LAYER_FIELDS) // 2) * 2
     scratch = (group + 2) * d + group * d + d + (group + 1) * d + 2 * nw * _MAX_GROUP + nw * group * d
-    fixed = itemsize * (2 * vec + 2 * hidden) + 8 * table + 4 * (d + scratch + nw)
+    fixed = itemsize * ((_vec_rows(batch) + 1) * vec + 2 * batch * hidden)
+    fixed += 8 * table + 4 * (d + scratch + MAX_BATCH * nw)
     ring = (limit - fixed - _STATIC_SMEM) // 256 * 256
     return ring, vec, scratch, fixed + ring
+
+
+def _grid(sw: StepWeights, device: torch.device) -> int:
+    """One block an SM, every block with a unit of every projection (the tagged words' ordering needs it)."""
+    lw = sw.layers[0]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(sms, lw.qkv.shape[1], lw.down.shape[1], lw.qkv.shape[0])
+
+
+def serves(sw: StepWeights, batch: int) -> bool:
+    """Whether the kernel runs a step of `batch` requests of this model: at most MAXB, a block for each
+    request's every KV head, and the batch's rows leaving at least _MIN_RING bytes of weight ring."""
+    dev = sw.table.device
+    return (
+        1 <= batch <= MAX_BATCH
+        and batch * sw.kv_heads <= _grid(sw, dev)
+        and _smem(dev, sw, batch)[0] >= _MIN_RING
+    )
 
 
 def _model_fields(sw: StepWeights, x: torch.Tensor, buf: _Buffers, splits: int) -> dict[str, int]:
@@ -372,37 +399,28 @@ def decode_step(
     positions: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer of a one-request decode step on the embedding row x [1, hidden]: (the last MLP output,
-    the residual), as the layers' own forward returns them; the new K/V stored in k_buffer / v_buffer
-    ([layers, slots, kv_heads, head_dim]). The outputs live in kept buffers, overwritten by the next call."""
+    """Every layer of a decode step of x.shape[0] requests (at most MAXB, where serves()) on their embedding
+    rows x [batch, hidden]: (the last MLP output, the residual), as the layers' own forward returns them;
+    the new K/V stored in k_buffer / v_buffer ([layers, slots, kv_heads, head_dim]). The index tensors hold
+    a row a request. The outputs live in kept buffers, overwritten by the next call of the same batch size."""
     lib = _load()
-    assert lib is not None and x.shape[0] == 1 and x.is_contiguous()
+    batch = x.shape[0]
+    assert lib is not None and x.is_contiguous() and serves(sw, batch)
     lw = sw.layers[0]
     dev = x.device
-    hidden, inter = lw.qkv.shape[1], lw.down.shape[1]
     assert k_buffer.dtype == x.dtype == lw.qkv.dtype and k_buffer.stride() == v_buffer.stride()
     assert k_buffer.stride(-1) == 1 and page_table.dtype == torch.int32 and page_table.stride(-1) == 1
-    assert x.data_ptr() % 16 == 0, "the embedding row is read in 16-byte pieces"
-    # one block an SM, every block with a unit of every projection (the tagged words' ordering needs it)
-    n_qkv = lw.qkv.shape[0]
-    grid = min(torch.cuda.get_device_properties(dev).multi_processor_count, hidden, inter, n_qkv)
-    splits = max(1, min(_MAX_SPLITS, grid // sw.kv_heads))
+    assert x.data_ptr() % 16 == 0, "the embedding rows are read in 16-byte pieces"
+    grid = _grid(sw, dev)
+    splits = max(1, min(_MAX_SPLITS, grid // (batch * sw.kv_heads)))
     if ENV.decode_step_splits:  # a measurement knob: fewer, longer splits, a shorter merge
         splits = min(splits, ENV.decode_step_splits)
     global _last_grid
     _last_grid = grid
-    buf = _buffers(sw, splits)
-    ring, vec, scratch, smem = _smem(
-        dev,
-        hidden,
-        inter,
-        sw.heads * sw.head_dim,
-        sw.heads // sw.kv_heads,
-        sw.head_dim,
-        x.element_size(),
-        len(sw.layers),
-    )
+    buf = _buffers(sw, splits, batch)
+    ring, vec, scratch, smem = _smem(dev, sw, batch)
     values = _model_fields(sw, x, buf, splits)
+    values["batch"] = batch
     values.update(_pool_fields(k_buffer, v_buffer, page_table, table_idx, seq_lens, out_loc, positions))
     traced = _TRACE is not None and _TRACE.device == dev and len(sw.layers) <= _TRACE_MAX_LAYERS
     values.update(

@@ -78,7 +78,7 @@ class LlamaMLP(nn.Module):
 # The fused kernels that compute a whole decoder layer the Llama way (pre-norm RMSNorm, rotary attention
 # with an optional per-head q/k norm, a SiLU-gated MLP or experts): the C decode step of a CPU batch
 # (engine/cpu_step.py), the Triton layer kernel (kernel.decode_layer) and the CUDA kernel of a whole
-# one-request step (kernel.decode_step).
+# decode step of 1-8 requests (kernel.decode_step).
 CPU_DECODE_STEP = "cpu_decode_step"
 TRITON_LAYER = "triton_layer"
 CUDA_STEP = "cuda_step"
@@ -178,7 +178,7 @@ class LlamaModel(nn.Module):
         ctx = get_global_ctx()
         x = self.embed_tokens(ctx.batch.input_ids)
         step = self.step_weights() if ctx.attn_backend.fusion_plan(ctx.batch).whole_step else None
-        if step is not None:  # every layer in one launch
+        if step is not None and kernel.decode_step_serves(step, x.shape[0]):  # every layer in one launch
             x, residual = kernel.decode_step(x, step, **ctx.attn_backend.step_inputs(ctx.batch))
         else:
             residual = None

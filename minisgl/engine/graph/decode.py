@@ -32,7 +32,7 @@ logger = init_logger(__name__)
 # (Batch.graph_inputs), so a replay copies them into the graph's fixed buffer with one copy.
 DECODE_INPUTS = InputRows(("positions", "out_loc", "table_idx", "seq_lens_t"))
 
-# the context at which a one-request step is timed both ways (MINISGL_DECODE_STEP=auto): W2's order of
+# the context at which a step of 1-8 requests is timed both ways (MINISGL_DECODE_STEP=auto): W2's order of
 # magnitude; the one-kernel step's attention splits each KV head's keys at most 16 ways, so its lead
 # shrinks with the context
 TIMING_CONTEXT = 1024
@@ -83,8 +83,8 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         self.sample_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph | EmulatedGraph] = {}
         self.sample_outputs: dict[tuple[int, bool, bool], SampleOutput] = {}
         self.sample_replays = 0  # sampled steps served by a sampling graph
-        # batch 1 timed both ways at capture (MINISGL_DECODE_STEP=auto): {one-kernel step?: ms a replay}
-        self.whole_step_ms: dict[bool, float] = {}
+        # sizes timed both ways at capture (MINISGL_DECODE_STEP=auto): {size: {one-kernel step?: ms a replay}}
+        self.whole_step_ms: dict[int, dict[bool, float]] = {}
 
     @classmethod
     def create(cls, deps: GraphDeps, max_bs: int | None, max_running_req: int) -> DecodeGraphRunner | None:
@@ -111,57 +111,61 @@ class DecodeGraphRunner(BaseGraphRunner[DecodeOutput]):
         return runner
 
     def _capture_one(self, size: int) -> None:
-        """As every size, except batch 1 where the attention backend has not chosen how a one-request step
-        runs (MINISGL_DECODE_STEP=auto): capture it both ways, time the two graphs at TIMING_CONTEXT keys,
-        keep the faster."""
+        """As every size, except one where the attention backend has not chosen how its step runs
+        (MINISGL_DECODE_STEP=auto): capture it both ways, time the two graphs with every request at
+        TIMING_CONTEXT keys, keep the faster."""
         backend = self.deps.attn_backend
-        if size != 1 or self.emulate or not backend.whole_step_undecided:
+        if self.emulate or size not in backend.whole_step_undecided:
             super()._capture_one(size)
             return
         captured = {}
         for on in (False, True):
-            backend.choose_whole_step(on)
+            backend.choose_whole_step(size, on)
             calls = kernel.decode_step_calls()
             try:
                 super()._capture_one(size)
             except RuntimeError as e:  # the kernel's launch refused (decode_step says why): keep the layers
                 if not on:
                     raise
-                logger.warning(f"The one-kernel decode step failed, the layers' own kernels run instead: {e}")
-                backend.choose_whole_step(False)
+                logger.warning(
+                    f"The one-kernel decode step failed at batch {size}, the layers' own kernels run "
+                    f"instead: {e}"
+                )
+                backend.choose_whole_step(size, False)
                 self.graphs[size], self.outputs[size] = captured[False]
                 return
             captured[on] = (self.graphs[size], self.outputs[size])
-        if kernel.decode_step_calls() == calls:  # the model's layers are not the kernel's: nothing to time
-            backend.choose_whole_step(False)
+        if kernel.decode_step_calls() == calls:  # the kernel does not serve this model or size: no timing
+            backend.choose_whole_step(size, False)
+            self.graphs[size], self.outputs[size] = captured[False]
             return
-        with self._timing_row(backend) as keys:
+        with self._timing_rows(backend, size) as keys:
             ms = _fastest_replay_ms({on: graph for on, (graph, _) in captured.items()})
         on = ms[True] < ms[False]
-        backend.choose_whole_step(on)
+        backend.choose_whole_step(size, on)
         self.graphs[size], self.outputs[size] = captured[on]
-        self.whole_step_ms = ms
+        self.whole_step_ms[size] = ms
         logger.info(
-            f"A one-request decode step: the one-kernel step {ms[True]:.3f} ms, the layers' own kernels "
-            f"{ms[False]:.3f} ms a graph replay at {keys} keys: keeping the "
+            f"A decode step of {size} request(s): the one-kernel step {ms[True]:.3f} ms, the layers' own "
+            f"kernels {ms[False]:.3f} ms a graph replay at {keys} keys each: keeping the "
             + ("one-kernel step" if on else "layers' own kernels")
             + " (MINISGL_DECODE_STEP=1 or 0 decides instead)"
         )
 
     @contextmanager
-    def _timing_row(self, backend):
-        """The batch-1 graphs' input row as a request at TIMING_CONTEXT keys instead of the padding row's
-        one: the dummy page-table row mapped to that many distinct slots (whatever they hold; the new K/V
-        still goes to the dummy slot), so the timing reads what a step at that context reads. Restored
+    def _timing_rows(self, backend, size: int):
+        """The graphs' first `size` input rows as requests at TIMING_CONTEXT keys instead of the padding
+        row's one: the dummy page-table row mapped to that many distinct slots (whatever they hold; the new
+        K/V still goes to the dummy slot), so the timing reads what a step at that context reads. Restored
         after."""
         table = backend.page_table
         n = min(TIMING_CONTEXT, table.shape[1] - 1, backend.kv_pool.num_slots - 1)  # its token at position n
         row = self.dummy_row
         table[row, : n - 1] = torch.arange(n - 1, dtype=table.dtype, device=table.device)
-        self._inputs[:, 0] = torch.tensor(
+        self._inputs[:, :size] = torch.tensor(
             DECODE_INPUTS.ordered(positions=n - 1, out_loc=self.dummy_slot, table_idx=row, seq_lens_t=n),
             dtype=self._inputs.dtype,
-        ).to(self._inputs.device)
+        ).to(self._inputs.device)[:, None]
         try:
             yield n
         finally:

@@ -1,12 +1,12 @@
-// The decode step of one request as one persistent kernel: every decoder layer of a dense Llama-family
+// The decode step of a batch of one to eight requests as one persistent kernel: every decoder layer of a dense Llama-family
 // model (pre-norm RMSNorm, QKV with an optional bias, Qwen3's q/k norm, neox rotary, paged attention,
 // the output projection, a SiLU-gated MLP), from the embedding row to the last layer's (MLP output,
 // residual). kernel/step_kernel.py builds it with nvcc, packs its arguments and launches it.
 //
 // One block per SM, all resident. A layer is five stages, each split over every block:
 //   qkv   h = y + h2 (x on the first layer), rms_norm(h), this block's QKV rows
-//   attn  (KV head, split) work items: q/k norm + rotary, the new K/V stored, a split of the keys; split 0
-//         of each KV head merges the head group's splits
+//   attn  (request, KV head, split) work items: q/k norm + rotary, the new K/V stored, a split of the keys;
+//         split 0 of each (request, KV head) merges the head group's splits
 //   o     the output projection's rows, h2 = o + h
 //   gu    rms_norm(h2), gate and up rows in pairs, silu(gate) * up
 //   down  the down projection's rows: y
@@ -25,6 +25,10 @@
 // ring are read from global memory at compute time. Attention loads its first keys from the KV cache
 // (written by earlier steps) before its q arrives, and asks L2 for the next layer's once it is done.
 //
+// A batch of requests shares the weight stream: a projection's rows are read once and each is dotted with
+// every request's input row (the rows of a stage's words are [request][unit]); a request's attention items
+// are its own.
+//
 // The roundings are the layer kernels' (kernel/reference.py): each projection's output, the residual
 // adds, the normalised row before the norm weight, silu before the multiply, the merged attention output.
 #include <cuda_bf16.h>
@@ -39,6 +43,7 @@ constexpr int NW = NT / 32;
 constexpr int CT = NT - 32;   // the compute threads: every warp but the last, which issues the weight copies
 constexpr int CW = CT / 32;
 constexpr int MAXG = 8;        // query heads per KV head, at most
+constexpr int MAXB = 8;        // requests a launch, at most
 constexpr int MAXS = NW;       // KV splits, at most
 constexpr int RING_SLOTS = 4;
 constexpr int PRE_ROUNDS = 2;  // rounds of keys loaded before q arrives
@@ -100,10 +105,10 @@ constexpr int NCB = 2 * (232448 / STEP_CHUNK) + 2 * RING_SLOTS;
 // The argument block: one int64 each, in this order (FIELDS is checked against step_kernel.py's list).
 #define STEP_FIELDS(X)                                                                                     \
   X(layers) X(num_layers) X(hidden) X(heads) X(kv_heads) X(head_dim) X(inter) X(rot_half) X(splits)       \
-  X(x_in) X(h2) X(y) X(w_qkv) X(w_attn) X(w_h2) X(w_act) X(w_y) X(part_o) X(part_lse) X(k_cache)         \
-  X(v_cache) X(kv_layer_stride) X(stride_kt) X(stride_kh) X(page_table) X(stride_pt) X(table_idx)        \
-  X(seq_lens) X(out_loc) X(positions) X(idx64) X(cos_sin) X(stride_cs) X(counters) X(ring_bytes)         \
-  X(vec_elems) X(scratch_floats) X(trace)
+  X(batch) X(x_in) X(h2) X(y) X(w_qkv) X(w_attn) X(w_h2) X(w_act) X(w_y) X(part_o) X(part_lse)           \
+  X(k_cache) X(v_cache) X(kv_layer_stride) X(stride_kt) X(stride_kh) X(page_table) X(stride_pt)          \
+  X(table_idx) X(seq_lens) X(out_loc) X(positions) X(idx64) X(cos_sin) X(stride_cs) X(counters)          \
+  X(ring_bytes) X(vec_elems) X(scratch_floats) X(trace)
 #define AS_ENUM(name) F_##name,
 enum Field { STEP_FIELDS(AS_ENUM) NUM_FIELDS };
 #define AS_NAME(name) #name ","
@@ -210,8 +215,9 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ int64_t ld_idx(int64_t ptr, int64_t is64) {
-  return is64 ? __ldcg(reinterpret_cast<const long long*>(ptr)) : __ldcg(reinterpret_cast<const int*>(ptr));
+// entry i of an index tensor, int64 or int32
+__device__ __forceinline__ int64_t ld_idx(int64_t ptr, int64_t is64, int i) {
+  return is64 ? __ldcg(reinterpret_cast<const long long*>(ptr) + i) : __ldcg(reinterpret_cast<const int*>(ptr) + i);
 }
 
 // ---- tagged words ------------------------------------------------------------------------------------------
@@ -245,40 +251,92 @@ __device__ __forceinline__ void spin(long long& t0) {
   __nanosleep(32);
 }
 
-// 16 bytes of words once every tag is `tag`: their values
-__device__ __forceinline__ void ld_words(const unsigned* p, unsigned tag, float* out) {
-  uint4 u;
-  long long t0 = 0;
+// 16 bytes of words as loaded (Raw<W>::R), whether each carries `tag`, and their values
+template <typename W> struct Raw;
+template <> struct Raw<unsigned> {
+  using R = uint4;
+  static constexpr int PER = 4;
+};
+template <> struct Raw<unsigned long long> {
+  using R = ulonglong2;
+  static constexpr int PER = 2;
+};
+__device__ __forceinline__ void ld_raw(const unsigned* p, uint4& u) {
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p) : "memory");
+}
+__device__ __forceinline__ void ld_raw(const unsigned long long* p, ulonglong2& u) {
+  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];" : "=l"(u.x), "=l"(u.y) : "l"(p) : "memory");
+}
+__device__ __forceinline__ bool tagged(const uint4& u, unsigned tag) {
   tag &= 0xffffu;
-  for (;;) {
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p) : "memory");
-    if ((u.x & 0xffffu) == tag && (u.y & 0xffffu) == tag && (u.z & 0xffffu) == tag && (u.w & 0xffffu) == tag) break;
-    spin(t0);
-  }
+  return (u.x & 0xffffu) == tag && (u.y & 0xffffu) == tag && (u.z & 0xffffu) == tag && (u.w & 0xffffu) == tag;
+}
+__device__ __forceinline__ bool tagged(const ulonglong2& u, unsigned tag) {
+  return static_cast<unsigned>(u.x) == tag && static_cast<unsigned>(u.y) == tag;
+}
+__device__ __forceinline__ void values(const uint4& u, float* out) {
   out[0] = __uint_as_float(u.x & 0xffff0000u);
   out[1] = __uint_as_float(u.y & 0xffff0000u);
   out[2] = __uint_as_float(u.z & 0xffff0000u);
   out[3] = __uint_as_float(u.w & 0xffff0000u);
 }
-__device__ __forceinline__ void ld_words(const unsigned long long* p, unsigned tag, float* out) {
-  unsigned long long x, y;
-  long long t0 = 0;
-  for (;;) {
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];" : "=l"(x), "=l"(y) : "l"(p) : "memory");
-    if (static_cast<unsigned>(x) == tag && static_cast<unsigned>(y) == tag) break;
-    spin(t0);
-  }
-  out[0] = __uint_as_float(static_cast<unsigned>(x >> 32));
-  out[1] = __uint_as_float(static_cast<unsigned>(y >> 32));
+__device__ __forceinline__ void values(const ulonglong2& u, float* out) {
+  out[0] = __uint_as_float(static_cast<unsigned>(u.x >> 32));
+  out[1] = __uint_as_float(static_cast<unsigned>(u.y >> 32));
 }
-__device__ __forceinline__ float ld_word(const unsigned long long* p, unsigned tag) {
-  unsigned long long x;
+
+// 16 bytes of words once every tag is `tag`: their values
+template <typename W>
+__device__ __forceinline__ void ld_words(const W* p, unsigned tag, float* out) {
+  typename Raw<W>::R u;
   long long t0 = 0;
-  for (;;) {
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(x) : "l"(p) : "memory");
-    if (static_cast<unsigned>(x) == tag) break;
+  for (ld_raw(p, u); !tagged(u, tag); ld_raw(p, u)) spin(t0);
+  values(u, out);
+}
+
+// The 16 bytes of words at at(c) for c = first + i * step (i < B, c < n), each handed to use(c, values) once
+// tagged: all B loads are issued before the first is waited on, so once the producers are done a thread
+// waits about one round trip to L2 for B of its loads, not one a load. B is what the registers allow:
+// gather<GM>() loads at once in an instance whose attention holds GM heads' sums (more, and the instance
+// spills inside its key loop); STEP_GATHER = B > 0 sets it (1: one load at a time).
+#ifndef STEP_GATHER
+#define STEP_GATHER 0
+#endif
+template <int GM> __host__ __device__ constexpr int gather() { return STEP_GATHER > 0 ? STEP_GATHER : GM <= 2 ? 4 : 2; }
+template <int B, typename W, typename A, typename F>
+__device__ __forceinline__ void ld_words_batch(A&& at, int first, int step, int n, unsigned tag, F&& use) {
+  typename Raw<W>::R u[B];
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    if (first + i * step < n) ld_raw(at(first + i * step), u[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    const int c = first + i * step;
+    if (c < n) {
+      long long t0 = 0;
+      while (!tagged(u[i], tag)) {
+        spin(t0);
+        ld_raw(at(c), u[i]);
+      }
+      float f[Raw<W>::PER];
+      values(u[i], f);
+      use(c, f);
+    }
+  }
+}
+__device__ __forceinline__ unsigned long long ld_raw1(const unsigned long long* p) {
+  unsigned long long x;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(x) : "l"(p) : "memory");
+  return x;
+}
+// a float word once tagged, from its first load x
+__device__ __forceinline__ float word_value(const unsigned long long* p, unsigned long long x, unsigned tag) {
+  long long t0 = 0;
+  while (static_cast<unsigned>(x) != tag) {
     spin(t0);
+    x = ld_raw1(p);
   }
   return __uint_as_float(static_cast<unsigned>(x >> 32));
 }
@@ -514,86 +572,121 @@ __device__ __forceinline__ void ring_release(const Ring& r, int ws) {
   }
 }
 
-// N rows of W (in shared memory or global) times vec (shared memory, T), each summed over the warp: each
-// lane reads 16 bytes of every row and 16 of vec, so no read has bank conflicts; every load of a round is
-// issued before its arithmetic, and one row keeps two sums (the chains are half as long; several rows
-// STEP_DOT_SUMS each)
-template <typename T, int N>
-__device__ __forceinline__ void rows_dot(const char* const* p, const bool* sm, const T* vec, int k, int lane,
-                                         float* out) {
+// N rows of W (in shared memory or global) times NB input rows (shared memory, T, vs elements apart), each
+// summed over the warp: each lane reads 16 bytes of every row and 16 of every input row, so no read has
+// bank conflicts; every weight load of a round is issued before its arithmetic. With one input a row keeps
+// two sums (the chains are half as long; several rows STEP_DOT_SUMS each); several inputs' sums are
+// independent chains already.
+template <typename T, int N, int NB>
+__device__ __forceinline__ void rows_dot(const char* const* p, const bool* sm, const T* vec, int vs, int k, int lane,
+                                         float (&out)[N][NB]) {
   constexpr int E = Vec<T>::N;
-  constexpr int A = N == 1 ? 2 : STEP_DOT_SUMS;
-  float acc[N][A];
+  constexpr int A = NB > 1 ? 1 : N == 1 ? 2 : STEP_DOT_SUMS;
+  float acc[N][NB][A];
 #pragma unroll
   for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int c = 0; c < A; ++c) acc[j][c] = 0.f;
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int c = 0; c < A; ++c) acc[j][b][c] = 0.f;
   if (STEP_NO_GEMV) k = 0;
 #pragma unroll 2
   for (int i = lane * E; i < k; i += 32 * E) {
-    const size_t b = (size_t)i * sizeof(T);
+    const size_t o = (size_t)i * sizeof(T);
     uint4 u[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) u[j] = sm[j] ? lds128(p[j] + b) : ld_stream(p[j] + b);
-    const uint4 xv = lds128(vec + i);
-    float x[E];
-    unpack<T>(xv, x);
+    for (int j = 0; j < N; ++j) u[j] = sm[j] ? lds128(p[j] + o) : ld_stream(p[j] + o);
+    float w[N][E];
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      float w[E];
-      unpack<T>(u[j], w);
+    for (int j = 0; j < N; ++j) unpack<T>(u[j], w[j]);
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[j][e % A] += w[e] * x[e];
+    for (int b = 0; b < NB; ++b) {
+      float x[E];
+      unpack<T>(lds128(vec + (size_t)b * vs + i), x);
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[j][b][e % A] += w[j][e] * x[e];
     }
   }
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    out[j] = acc[j][0];
+  for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int c = 1; c < A; ++c) out[j] += acc[j][c];
-  }
+    for (int b = 0; b < NB; ++b) {
+      out[j][b] = acc[j][b][0];
+#pragma unroll
+      for (int c = 1; c < A; ++c) out[j][b] += acc[j][b][c];
+    }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-    for (int j = 0; j < N; ++j) out[j] += __shfl_xor_sync(0xffffffffu, out[j], o);
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) out[j][b] += __shfl_xor_sync(0xffffffffu, out[j][b], o);
 }
 
-// units [first, first + P) of a plain stage (those < n): out(u, value) on lane 0
-template <typename T, int P, typename F>
-__device__ __forceinline__ void rows_group(const Rows& rw, const T* vec, int first, int lane, F& out) {
+// Inputs: the projection's NB rows of vec (vs elements apart), nb of them the batch's (the rest, up to the
+// instance's NB, are dotted and dropped). Every lane holds every sum after rows_dot; value (i, b) is handed
+// on by lane (i * NB + b) % 32, so the stores spread over the warp.
+struct In {
+  int vs, nb;
+};
+__device__ __forceinline__ bool mine(int lane, int i, int b, int NB) { return lane == ((i * NB + b) & 31); }
+
+// units [first, first + P) of a plain stage (those < n): out(u, b, value)
+template <typename T, int P, int NB, typename F>
+__device__ __forceinline__ void rows_group(const Rows& rw, const T* vec, In in, int first, int lane, F& out) {
   const Stage& s = *rw.s;
   const char* p[P];
   bool sm[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) p[i] = rw.unit(first + i < s.n ? first + i : first, sm[i]);  // past n: a repeat
-  float o[P];
-  rows_dot<T, P>(p, sm, vec, s.k, lane, o);
-  if (lane == 0) {
+  float o[P][NB];
+  rows_dot<T, P, NB>(p, sm, vec, in.vs, s.k, lane, o);
 #pragma unroll
-    for (int i = 0; i < P; ++i)
-      if (first + i < s.n) out(first + i, o[i]);
+  for (int i = 0; i < P; ++i)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+      if (mine(lane, i, b, NB) && first + i < s.n && b < in.nb) out(first + i, b, o[i][b]);
+}
+template <typename T, int P, int NB, typename F>
+__device__ __forceinline__ void rows_passes(const Rows& rw, const T* vec, In in, F& out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int base = warp * P; base < rw.s->n; base += P * CW) rows_group<T, P, NB>(rw, vec, in, base, lane, out);
+}
+// in one pass where a warp's share is at most PM rows: a warp takes consecutive rows (of consecutive
+// chunks); PM shrinks as NB grows (the sums a lane keeps)
+template <typename T, int NB, typename F>
+__device__ __forceinline__ void rows_nb(const Rows& rw, const T* vec, In in, F& out) {
+  constexpr int PM = NB <= 2 ? 4 : 2;
+  switch (min((rw.s->n + CW - 1) / CW, PM)) {
+    case 1: rows_passes<T, 1, NB>(rw, vec, in, out); break;
+    case 2: rows_passes<T, 2, NB>(rw, vec, in, out); break;
+    case 3: rows_passes<T, (PM < 3 ? PM : 3), NB>(rw, vec, in, out); break;
+    default: rows_passes<T, PM, NB>(rw, vec, in, out); break;
   }
 }
-template <typename T, int P, typename F>
-__device__ __forceinline__ void rows_passes(const Rows& rw, const T* vec, F& out) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int base = warp * P; base < rw.s->n; base += P * CW) rows_group<T, P>(rw, vec, base, lane, out);
-}
-// this block's rows of a plain stage times vec, in one pass where a warp's share is at most 4 rows: a warp
-// takes consecutive rows (of consecutive chunks)
-template <typename T, typename F>
-__device__ __forceinline__ void stage_rows(const Rows& rw, const T* vec, F&& out) {
-  switch ((rw.s->n + CW - 1) / CW) {
-    case 1: rows_passes<T, 1>(rw, vec, out); break;
-    case 2: rows_passes<T, 2>(rw, vec, out); break;
-    case 3: rows_passes<T, 3>(rw, vec, out); break;
-    default: rows_passes<T, 4>(rw, vec, out); break;
+// the instance of NB inputs a batch of nb takes: 1, 2, 4 or 8 (as step_kernel.py's _vec_rows)
+__host__ __device__ __forceinline__ int vec_rows(int nb) { return nb <= 2 ? nb : nb <= 4 ? 4 : MAXB; }
+
+// this block's rows of a plain stage times the batch's input rows: out(u, b, value). MB: the kernel
+// instance's batch, 1 or MAXB (a batch of 2 to MAXB)
+template <typename T, int MB, typename F>
+__device__ __forceinline__ void stage_rows(const Rows& rw, const T* vec, In in, F&& out) {
+  if (MB == 1) {
+    rows_nb<T, 1>(rw, vec, in, out);
+    return;
+  }
+  switch (vec_rows(in.nb)) {
+    case 2: rows_nb<T, 2>(rw, vec, in, out); break;
+    case 4: rows_nb<T, 4>(rw, vec, in, out); break;
+    default: rows_nb<T, MAXB>(rw, vec, in, out); break;
   }
 }
 
-// gate/up: units [first, first + P) as 2P rows (gate, up of each): out(u, gate, up) on lane 0
-template <typename T, int P, typename F>
-__device__ __forceinline__ void pairs_passes(const Rows& rw, const T* vec, F& out) {
+// gate/up: units [first, first + P) as 2P rows (gate, up of each): out(u, b, gate, up)
+template <typename T, int P, int NB, typename F>
+__device__ __forceinline__ void pairs_passes(const Rows& rw, const T* vec, In in, F& out) {
   const Stage& s = *rw.s;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int first = warp * P; first < s.n; first += P * CW) {
@@ -606,59 +699,92 @@ __device__ __forceinline__ void pairs_passes(const Rows& rw, const T* vec, F& ou
       p[2 * i + 1] = rw.up(p[2 * i], u, sm[2 * i]);
       sm[2 * i + 1] = sm[2 * i];
     }
-    float o[2 * P];
-    rows_dot<T, 2 * P>(p, sm, vec, s.k, lane, o);
-    if (lane == 0) {
+    float o[2 * P][NB];
+    rows_dot<T, 2 * P, NB>(p, sm, vec, in.vs, s.k, lane, o);
 #pragma unroll
-      for (int i = 0; i < P; ++i)
-        if (first + i < s.n) out(first + i, o[2 * i], o[2 * i + 1]);
-    }
+    for (int i = 0; i < P; ++i)
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+        if (mine(lane, i, b, NB) && first + i < s.n && b < in.nb) out(first + i, b, o[2 * i][b], o[2 * i + 1][b]);
   }
 }
-template <typename T, typename F>
-__device__ __forceinline__ void stage_pairs(const Rows& rw, const T* vec, F&& out) {
-  if (rw.s->n > CW) pairs_passes<T, 2>(rw, vec, out);
-  else pairs_passes<T, 1>(rw, vec, out);
+template <typename T, int NB, typename F>
+__device__ __forceinline__ void pairs_nb(const Rows& rw, const T* vec, In in, F& out) {
+  if (NB <= 4 && rw.s->n > CW) pairs_passes<T, 2, NB>(rw, vec, in, out);
+  else pairs_passes<T, 1, NB>(rw, vec, in, out);
+}
+template <typename T, int MB, typename F>
+__device__ __forceinline__ void stage_pairs(const Rows& rw, const T* vec, In in, F&& out) {
+  if (MB == 1) {
+    pairs_nb<T, 1>(rw, vec, in, out);
+    return;
+  }
+  switch (vec_rows(in.nb)) {
+    case 2: pairs_nb<T, 2>(rw, vec, in, out); break;
+    case 4: pairs_nb<T, 4>(rw, vec, in, out); break;
+    default: pairs_nb<T, MAXB>(rw, vec, in, out); break;
+  }
 }
 
 // ---- the input rows of the projections -------------------------------------------------------------------
-__device__ float block_sum(float x, float* red) {
-  x = warp_sum(x);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  csync();
-  if (lane == 0) red[warp] = x;
-  csync();
-  float t = lane < CW ? red[lane] : 0.f;
-  return warp_sum(t);
+// rows [0, nb) of dst (ds elements apart) = the words' rows (nb rows of n words, back to back) once tagged
+// `tag`, optionally + add's rows (ds apart), rounded; ss[b] += this thread's part of row b's sum of squares
+template <typename T, int B>
+__device__ void gather_words(const typename Word<T>::W* src, int n, int nb, unsigned tag, const T* add, T* dst,
+                             int ds, float (&ss)[MAXB]) {
+  constexpr int P = Word<T>::PER;
+  using W = typename Word<T>::W;
+  gate(src, n, tag);
+#pragma unroll
+  for (int b = 0; b < MAXB; ++b) ss[b] = 0.f;
+  const int per = n / P, total = nb * per;
+  const auto at = [&](int c) { return src + (size_t)c * P; };
+  for (int c0 = threadIdx.x; c0 < total; c0 += B * CT) {
+    ld_words_batch<B, W>(at, c0, CT, total, tag, [&](int c, const float* f) {
+      const int row = nb == 1 ? 0 : c / per;
+      const int at_row = row * ds + (c - row * per) * P;
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < P; ++e) {
+        float v = f[e];
+        if (add) v = rnd<T>(v + tof<T>(add[at_row + e]));
+        dst[at_row + e] = fromf<T>(v);
+        s += v * v;
+      }
+#pragma unroll
+      for (int b = 0; b < MAXB; ++b)
+        if (b == row) ss[b] += s;
+    });
+  }
 }
 
-// dst[:n] = the words' values once tagged `tag` (optionally + add[:n], rounded); returns the sum of squares
+// vec's rows [0, nb) (vs elements apart) = rms_norm(row b of rows (k elements, rs apart), w), ss[b] this
+// thread's part of row b's sum of squares; w in shared memory, staged by this block's cp16s (waited for
+// here); red: MAXB * CW floats
 template <typename T>
-__device__ float gather_words(const typename Word<T>::W* src, int n, unsigned tag, const T* add, T* dst) {
-  constexpr int P = Word<T>::PER;
-  gate(src, n, tag);
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < n / P; c += CT) {
-    float f[P];
-    ld_words(src + c * P, tag, f);
+__device__ void norm_rows(const T* rows, int rs, const float (&ss)[MAXB], int nb, const T* w, int k, float eps,
+                          T* vec, int vs, float* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  cp_wait_all();
+  float part[MAXB];
 #pragma unroll
-    for (int e = 0; e < P; ++e) {
-      float v = f[e];
-      if (add) v = rnd<T>(v + tof<T>(add[c * P + e]));
-      dst[c * P + e] = fromf<T>(v);
-      ss += v * v;
+  for (int b = 0; b < MAXB; ++b) part[b] = b < nb ? warp_sum(ss[b]) : 0.f;
+  csync();  // red is free (its last readers are past)
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < MAXB; ++b)
+      if (b < nb) red[b * CW + warp] = part[b];
+  }
+  csync();
+#pragma unroll
+  for (int b = 0; b < MAXB; ++b) {
+    if (b < nb) {
+      const float rstd = rsqrtf(warp_sum(lane < CW ? red[b * CW + lane] : 0.f) / k + eps);
+      const T* row = rows + (size_t)b * rs;
+      T* out = vec + (size_t)b * vs;
+      for (int i = threadIdx.x; i < k; i += CT) out[i] = fromf<T>(rnd<T>(tof<T>(w[i]) * rnd<T>(tof<T>(row[i]) * rstd)));
     }
   }
-  return ss;
-}
-
-// vec = rms_norm(row, w) for row [k] in shared memory, whose sum of squares this thread's part gave ss; w in
-// shared memory, staged by this block's cp16s (waited for here)
-template <typename T>
-__device__ void norm_into(const T* row, float ss, const T* w, int k, float eps, T* vec, float* red) {
-  cp_wait_all();
-  const float rstd = rsqrtf(block_sum(ss, red) / k + eps);
-  for (int i = threadIdx.x; i < k; i += CT) vec[i] = fromf<T>(rnd<T>(tof<T>(w[i]) * rnd<T>(tof<T>(row[i]) * rstd)));
   csync();
 }
 
@@ -693,7 +819,7 @@ __device__ void rope_head(const float* x, const T* w, float eps, const float* cs
 
 // what a block's attention work item is, the same for every layer of a launch (read once at the start)
 struct Ctx {
-  int kvh, split;            // split < 0: no attention work
+  int b, kvh, split;         // request, KV head, split; split < 0: no attention work
   int start, end, last;      // its keys [start, end); last: the new token's position
   int64_t row, slot_new;     // its page-table row; the new token's KV slot
   int pslot[PRE_ROUNDS];     // this lane's first keys' slots (-1: none or the new token)
@@ -717,8 +843,9 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
   if (cx.split < 0) return;
   const int kvh = cx.kvh, split = cx.split;
   const int last = cx.last, start = cx.start, end = cx.end;
-  FWord* part_o = reinterpret_cast<FWord*>(a.v[F_part_o]);
-  FWord* part_lse = reinterpret_cast<FWord*>(a.v[F_part_lse]);
+  // this request's rows of the words: [request][head][split][D] parts, [request][head][split] log-sums
+  FWord* part_o = reinterpret_cast<FWord*>(a.v[F_part_o]) + (size_t)cx.b * Hq * S * D;
+  FWord* part_lse = reinterpret_cast<FWord*>(a.v[F_part_lse]) + (size_t)cx.b * Hq * S;
   char* kc = reinterpret_cast<char*>(a.v[F_k_cache]) + (size_t)layer * a.v[F_kv_layer_stride] * sizeof(T);
   char* vc = reinterpret_cast<char*>(a.v[F_v_cache]) + (size_t)layer * a.v[F_kv_layer_stride] * sizeof(T);
   const int64_t skt = a.v[F_stride_kt] * sizeof(T), skh = a.v[F_stride_kh] * sizeof(T);
@@ -754,7 +881,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
 
   // this KV head's q heads, k and v (an empty split reads none)
   if (start < end) {
-    const W* qkv = reinterpret_cast<const W*>(a.v[F_w_qkv]);
+    const W* qkv = reinterpret_cast<const W*>(a.v[F_w_qkv]) + (size_t)cx.b * (Hq + 2 * Hk) * D;
     gate(qkv + kvh * group * D, group * D, tag);
     const int nq = group * D / P, nk = D / P;
     for (int c = threadIdx.x; c < nq + 2 * nk; c += CT) {
@@ -939,16 +1066,20 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
   csync();  // wm.. is reused
   float* mo = wm;                   // [group][S][D]
   float* ml = mo + group * S * D;   // [group][S]
+  // (the group's parts and log-sums are contiguous: head kvh * group + g, split s at (g * S + s) * D and
+  // g * S + s); a thread's log-sum and its parts' loads are all issued before it waits on one
   const int nvo = group * S * D / 2;
-  for (int c = threadIdx.x; c < nvo + group * S; c += CT) {
-    if (c < nvo) {
-      const int g = c / (S * D / 2), rest = c - g * (S * D / 2);
-      ld_words(part_o + (size_t)(kvh * group + g) * S * D + rest * 2, tag, mo + c * 2);
-    } else {
-      const int j = c - nvo, g = j / S, s = j - g * S;
-      ml[j] = ld_word(part_lse + (kvh * group + g) * S + s, tag);
-    }
+  const FWord* lse_src = part_lse + (size_t)kvh * group * S + threadIdx.x;
+  const unsigned long long lse_raw = threadIdx.x < group * S ? ld_raw1(lse_src) : 0;
+  const FWord* po = part_o + (size_t)kvh * group * S * D;
+  const auto at = [&](int c) { return po + (size_t)c * 2; };
+  for (int c0 = threadIdx.x; c0 < nvo; c0 += gather<GM>() * CT) {
+    ld_words_batch<gather<GM>(), FWord>(at, c0, CT, nvo, tag, [&](int c, const float* f) {
+      mo[c * 2] = f[0];
+      mo[c * 2 + 1] = f[1];
+    });
   }
+  if (threadIdx.x < group * S) ml[threadIdx.x] = word_value(lse_src, lse_raw, tag);
   // each split's weight, computed once: warp g's lane s, exp2(lse - max) written over the lse, the
   // weights' sum after the group's log-sums
   float* mtot = ml + group * S;
@@ -966,7 +1097,7 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
     if (lane == 0) mtot[g] = tot;
   }
   csync();
-  W* attn = reinterpret_cast<W*>(a.v[F_w_attn]);
+  W* attn = reinterpret_cast<W*>(a.v[F_w_attn]) + (size_t)cx.b * Hq * D;
   for (int t = threadIdx.x; t < group * D; t += CT) {
     const int g = t / D, d = t - g * D;
     float o = 0.f;
@@ -977,24 +1108,27 @@ __device__ void attend(const Args& a, const Ctx& cx, const int64_t* lp, int laye
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------
-template <typename T, int LPK, int GM>
+// MB: 1 (a batch of one: nb a constant, the batch's loops folded away) or MAXB (2 to MAXB requests)
+template <typename T, int LPK, int GM, int MB>
 __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constant__ Args a) {
   extern __shared__ __align__(128) char smem[];
   using W = typename Word<T>::W;
   const int L = a.v[F_num_layers], H = a.v[F_hidden], I = a.v[F_inter];
   const int Hq = a.v[F_heads], D = a.v[F_head_dim];
   const int ring_bytes = a.v[F_ring_bytes];
+  const int nb = MB == 1 ? 1 : (int)a.v[F_batch], NQ = (Hq + 2 * (int)a.v[F_kv_heads]) * D;
   char* ring = smem;
   const int vec_elems = a.v[F_vec_elems];
-  T* vec = reinterpret_cast<T*>(smem + ring_bytes);  // the projection's input row
-  T* hs = vec + vec_elems;                           // h: this layer's residual into the attention
-  T* h2s = hs + H;                                   // h2: its residual into the MLP
-  T* nwt = h2s + H;                                  // [vec_elems] the next norm's weights
+  const In in{vec_elems, nb};
+  T* vec = reinterpret_cast<T*>(smem + ring_bytes);  // [vec_rows(nb)][vec_elems] the projection's input rows
+  T* hs = vec + vec_rows(nb) * vec_elems;            // [nb][H] h: this layer's residual into the attention
+  T* h2s = hs + nb * H;                              // [nb][H] h2: its residual into the MLP
+  T* nwt = h2s + nb * H;                             // [vec_elems] the next norm's weights
   int64_t* tab = reinterpret_cast<int64_t*>(nwt + vec_elems);  // the layers' pointer table
   const int tab_n = (L * NUM_LAYER_FIELDS + 1) / 2 * 2;
   float* cs = reinterpret_cast<float*>(tab + tab_n);  // [D] cos / sin of the position
   float* scratch = cs + D;
-  float* red = scratch + a.v[F_scratch_floats];  // CW floats
+  float* red = scratch + a.v[F_scratch_floats];  // MAXB * CW floats
   unsigned* ctr = reinterpret_cast<unsigned*>(a.v[F_counters]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   T* h2 = reinterpret_cast<T*>(a.v[F_h2]);
@@ -1016,24 +1150,27 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   const Ring r{chunk_bar, empty, chunk_off};
-  // what stays the same for every layer: the pointer table, the position's cos / sin, the attention item
+  // what stays the same for every layer: the pointer table, the attention item (block i: request
+  // i / (Hk * S), KV head, split), its position's cos / sin
   Ctx cx;
   {
-    const int64_t i64 = a.v[F_idx64];
-    const int seq = (int)ld_idx(a.v[F_seq_lens], i64 & 1);
-    const int64_t pos = ld_idx(a.v[F_positions], i64 & 2);
     const int Hk = a.v[F_kv_heads], S = a.v[F_splits];
+    const int item = blockIdx.x, has = item < nb * Hk * S;
+    cx.b = has ? item / (Hk * S) : 0;
+    const int rest = item - cx.b * Hk * S;
+    cx.split = has ? rest % S : -1;
+    cx.kvh = rest / S;
+    const int64_t i64 = a.v[F_idx64];
+    const int seq = (int)ld_idx(a.v[F_seq_lens], i64 & 1, cx.b);
+    const int64_t pos = ld_idx(a.v[F_positions], i64 & 2, cx.b);
     const long long* lt = reinterpret_cast<const long long*>(a.v[F_layers]);
     for (int i = threadIdx.x; i < L * NUM_LAYER_FIELDS; i += NT) tab[i] = __ldg(lt + i);
     const float* csg = reinterpret_cast<const float*>(a.v[F_cos_sin]) + pos * a.v[F_stride_cs];
     for (int i = threadIdx.x; i < 2 * (int)a.v[F_rot_half]; i += NT) cs[i] = __ldg(csg + i);
     cx.cs = cs;
-    cx.row = ld_idx(a.v[F_table_idx], i64 & 4);
-    cx.slot_new = ld_idx(a.v[F_out_loc], i64 & 8);
+    cx.row = ld_idx(a.v[F_table_idx], i64 & 4, cx.b);
+    cx.slot_new = ld_idx(a.v[F_out_loc], i64 & 8, cx.b);
     cx.last = seq - 1;
-    const int item = blockIdx.x;
-    cx.split = item < Hk * S ? item % S : -1;
-    cx.kvh = item / S;
     const int chunk = (seq + S - 1) / S;
     cx.start = cx.split * chunk;
     cx.end = min(cx.start + chunk, seq);
@@ -1090,22 +1227,29 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     MARK(0, 1);
     stage_row(nwt, (const T*)lp[L_IN_NORM], H * (int)sizeof(T));
     {
-      float ss = 0.f;
-      if (layer == 0) {
+      float ss[MAXB];
+      if (layer == 0) {  // the embedding rows [nb][H], as hs is laid out
         constexpr int E = Vec<T>::N;
         const T* x = reinterpret_cast<const T*>(a.v[F_x_in]);
-        for (int c = threadIdx.x; c < H / E; c += CT) {
+        const int per = H / E;
+#pragma unroll
+        for (int b = 0; b < MAXB; ++b) ss[b] = 0.f;
+        for (int c = threadIdx.x; c < nb * per; c += CT) {
           const uint4 u = ld_cg(x + c * E);
           *reinterpret_cast<uint4*>(hs + c * E) = u;
-          float f[E];
+          float f[E], sq = 0.f;
           unpack<T>(u, f);
 #pragma unroll
-          for (int e = 0; e < E; ++e) ss += f[e] * f[e];
+          for (int e = 0; e < E; ++e) sq += f[e] * f[e];
+          const int row = nb == 1 ? 0 : c / per;
+#pragma unroll
+          for (int b = 0; b < MAXB; ++b)
+            if (b == row) ss[b] += sq;
         }
       } else {
-        ss = gather_words<T>(w_y, H, tag - 1, h2s, hs);
+        gather_words<T, gather<GM>()>(w_y, H, nb, tag - 1, h2s, hs, H, ss);
       }
-      norm_into<T>(hs, ss, nwt, H, a.eps, vec, red);
+      norm_rows<T>(hs, H, ss, nb, nwt, H, a.eps, vec, vec_elems, red);
     }
     MARK(0, 2);
     {
@@ -1114,9 +1258,9 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       if (tr) rw.first_in();
       MARK(0, 3);
       const T* bias = (const T*)lp[L_QKV_BIAS];
-      stage_rows<T>(rw, vec, [&](int u, float v) {
+      stage_rows<T, MB>(rw, vec, in, [&](int u, int b, float v) {
         if (bias) v += tof<T>(bias[s.u0 + u]);
-        st_word(w_qkv + s.u0 + u, fromf<T>(v), tag);
+        st_word(w_qkv + b * NQ + s.u0 + u, fromf<T>(v), tag);
       });
       ring_release(r, 4 * layer + K_QKV);
       csync();  // vec is rewritten next
@@ -1131,7 +1275,10 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     // o: h2 = o + h
     MARK(2, 0);
     MARK(2, 1);
-    gather_words<T>(w_attn, Hq * D, tag, nullptr, vec);
+    {
+      float ss[MAXB];
+      gather_words<T, gather<GM>()>(w_attn, Hq * D, nb, tag, nullptr, vec, vec_elems, ss);
+    }
     csync();
     MARK(2, 2);
     {
@@ -1139,10 +1286,11 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_O);
       if (tr) rw.first_in();
       MARK(2, 3);
-      stage_rows<T>(rw, vec, [&](int u, float v) {
-        const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[s.u0 + u]));
-        st_word(w_h2 + s.u0 + u, o, tag);
-        h2[s.u0 + u] = o;
+      stage_rows<T, MB>(rw, vec, in, [&](int u, int b, float v) {
+        const int i = b * H + s.u0 + u;
+        const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[i]));
+        st_word(w_h2 + i, o, tag);
+        h2[i] = o;
       });
       ring_release(r, 4 * layer + K_O);
       csync();  // vec is rewritten next
@@ -1153,8 +1301,9 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     MARK(3, 1);
     stage_row(nwt, (const T*)lp[L_POST_NORM], H * (int)sizeof(T));
     {
-      const float ss = gather_words<T>(w_h2, H, tag, nullptr, h2s);
-      norm_into<T>(h2s, ss, nwt, H, a.eps, vec, red);
+      float ss[MAXB];
+      gather_words<T, gather<GM>()>(w_h2, H, nb, tag, nullptr, h2s, H, ss);
+      norm_rows<T>(h2s, H, ss, nb, nwt, H, a.eps, vec, vec_elems, red);
     }
     MARK(3, 2);
     {
@@ -1162,10 +1311,10 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_GU);
       if (tr) rw.first_in();
       MARK(3, 3);
-      stage_pairs<T>(rw, vec, [&](int u, float g, float uv) {
+      stage_pairs<T, MB>(rw, vec, in, [&](int u, int b, float g, float uv) {
         g = rnd<T>(g);
         uv = rnd<T>(uv);
-        st_word(w_act + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
+        st_word(w_act + b * I + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
       });
       ring_release(r, 4 * layer + K_GU);
       csync();  // vec is rewritten next
@@ -1174,7 +1323,10 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
     // down: y
     MARK(4, 0);
     MARK(4, 1);
-    gather_words<T>(w_act, I, tag, nullptr, vec);
+    {
+      float ss[MAXB];
+      gather_words<T, gather<GM>()>(w_act, I, nb, tag, nullptr, vec, vec_elems, ss);
+    }
     csync();
     MARK(4, 2);
     {
@@ -1182,10 +1334,11 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_DOWN);
       if (tr) rw.first_in();
       MARK(4, 3);
-      stage_rows<T>(rw, vec, [&](int u, float v) {
+      stage_rows<T, MB>(rw, vec, in, [&](int u, int b, float v) {
+        const int i = b * H + s.u0 + u;
         const T o = fromf<T>(v);
-        st_word(w_y + s.u0 + u, o, tag);
-        y[s.u0 + u] = o;
+        st_word(w_y + i, o, tag);
+        y[i] = o;
       });
       ring_release(r, 4 * layer + K_DOWN);
       csync();  // vec is rewritten next
@@ -1207,7 +1360,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
 
 template <typename T, int LPK, int GM>
 cudaError_t launch_t(const Args& a, int grid, int smem, cudaStream_t stream) {
-  auto k = decode_step_kernel<T, LPK, GM>;
+  auto k = a.v[F_batch] == 1 ? decode_step_kernel<T, LPK, GM, 1> : decode_step_kernel<T, LPK, GM, MAXB>;
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   k<<<grid, NT, smem, stream>>>(a);
@@ -1232,14 +1385,19 @@ cudaError_t launch_d(const Args& a, int grid, int smem, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+template <typename T, int LPK, int MB>
+cudaError_t prepare_b(int smem) {
+  cudaError_t e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, 2, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, 4, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, MAXG, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  return e;
+}
 template <typename T, int LPK>
 cudaError_t prepare_g(int smem) {
-  cudaError_t e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, MAXG>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  return e;
+  cudaError_t e = prepare_b<T, LPK, 1>(smem);
+  return e == cudaSuccess ? prepare_b<T, LPK, MAXB>(smem) : e;
 }
 
 }  // namespace
@@ -1259,6 +1417,7 @@ const char* minisgl_step_fields() { return kFieldNames; }
 int minisgl_step_threads() { return NT; }
 int minisgl_step_max_group() { return MAXG; }
 int minisgl_step_max_splits() { return MAXS; }
+int minisgl_step_max_batch() { return MAXB; }
 int minisgl_step_trace_points() { return STAGES * POINTS; }
 
 // dtype: 0 float32, 1 bfloat16
