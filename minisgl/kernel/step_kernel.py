@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -95,13 +96,17 @@ def _nvcc() -> str | None:
     return path if path and os.path.exists(path) else shutil.which("nvcc")
 
 
+_PARTS = 5  # decode_step.cu's STEP_PART values: 0 the entry points, 1-4 an instance family each
+
+
 def _build() -> str | None:
-    """The library's path, compiled once per source and compiler (None: no nvcc, or it failed)."""
+    """The library's path, compiled once per source and flags (None: no nvcc, or it failed): its parts
+    (decode_step.cu's STEP_PART) by as many nvcc processes at once, then linked."""
     nvcc = _nvcc()
     if nvcc is None:
         logger.info("No nvcc: the one-kernel decode step is off")
         return None
-    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"]
+    flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC", "-lineinfo"]
     # measurement variants (decode_step.cu's STEP_* macros), e.g. MINISGL_DECODE_STEP_DEFINES="-DSTEP_GATE=1"
     flags += os.environ.get("MINISGL_DECODE_STEP_DEFINES", "").split()
     with open(_SOURCE, "rb") as f:
@@ -112,17 +117,33 @@ def _build() -> str | None:
     if os.path.exists(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    logger.info("Compiling the decode-step kernel with %s (once per machine)", nvcc)
-    result = subprocess.run([nvcc, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        logger.warning(
-            "Compiling the decode-step kernel failed; the layers run as before:\n%s", result.stderr[-2000:]
-        )
-        return None
-    os.replace(tmp, path)  # atomic: processes building at once each see a whole library
+    start = time.perf_counter()
+    logger.info(f"Compiling the decode-step kernel with {nvcc} in {_PARTS} parts at once (once per machine)")
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        objs = [os.path.join(tmp, f"part{p}.o") for p in range(_PARTS)]
+        compiles = [
+            subprocess.Popen(
+                [nvcc, *flags, f"-DSTEP_PART={p}", "-c", "-o", obj, _SOURCE],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for p, obj in enumerate(objs)
+        ]
+        errors = [proc.communicate()[1] for proc in compiles]
+        lib = os.path.join(tmp, "decode_step.so")
+        if all(proc.returncode == 0 for proc in compiles):
+            link = [nvcc, "-shared", "-gencode=arch=compute_90a,code=sm_90a", *objs, "-o", lib]
+            result = subprocess.run(link, capture_output=True, text=True, check=False)
+            errors.append(result.stderr)
+        if not os.path.exists(lib):
+            logger.warning(
+                "Compiling the decode-step kernel failed; the layers run as before:\n%s",
+                "".join(errors)[-2000:],
+            )
+            return None
+        os.replace(lib, path)  # atomic: processes building at once each see a whole library
+    logger.info(f"Compiled the decode-step kernel in {time.perf_counter() - start:.0f}s")
     return path
 
 

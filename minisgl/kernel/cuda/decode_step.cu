@@ -1376,15 +1376,6 @@ cudaError_t launch_g(const Args& a, int grid, int smem, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-// head_dim 64 or 128
-template <typename T>
-cudaError_t launch_d(const Args& a, int grid, int smem, cudaStream_t stream) {
-  const int lpk = (int)(a.v[F_head_dim] / Vec<T>::N);
-  if (lpk == 64 / Vec<T>::N) return launch_g<T, 64 / Vec<T>::N>(a, grid, smem, stream);
-  if (lpk == 128 / Vec<T>::N) return launch_g<T, 128 / Vec<T>::N>(a, grid, smem, stream);
-  return cudaErrorInvalidValue;
-}
-
 template <typename T, int LPK, int MB>
 cudaError_t prepare_b(int smem) {
   cudaError_t e = cudaFuncSetAttribute(decode_step_kernel<T, LPK, 2, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1402,14 +1393,52 @@ cudaError_t prepare_g(int smem) {
 
 }  // namespace
 
+// The library is built as parts compiled at once (step_kernel.py), one object each: STEP_PART = 1..4 holds
+// the kernel instances of one (dtype, lanes a key row) with their launch and load functions, STEP_PART = 0
+// the entry points, which pick a part by dtype and head dim. Without STEP_PART (one nvcc call), all of it.
+#ifndef STEP_PART
+#define STEP_PART -1
+#endif
+#define STEP_PARTS(X) X(1, __nv_bfloat16, 8) X(2, __nv_bfloat16, 16) X(3, float, 16) X(4, float, 32)
+#define PART_DECLARE(p, T, LPK)                                                                  \
+  cudaError_t step_launch_##p(const int64_t* fields, float eps, float scale_log2, int grid, int smem, \
+                              cudaStream_t stream);                                                   \
+  cudaError_t step_prepare_##p(int smem);
+#define PART_DEFINE(p, T, LPK)                                                                   \
+  cudaError_t step_launch_##p(const int64_t* fields, float eps, float scale_log2, int grid, int smem, \
+                              cudaStream_t stream) {                                                  \
+    Args a;                                                                                           \
+    for (int i = 0; i < NUM_FIELDS; ++i) a.v[i] = fields[i];                                          \
+    a.eps = eps;                                                                                      \
+    a.scale_log2 = scale_log2;                                                                        \
+    return launch_g<T, LPK>(a, grid, smem, stream);                                                   \
+  }                                                                                                   \
+  cudaError_t step_prepare_##p(int smem) { return prepare_g<T, LPK>(smem); }
+STEP_PARTS(PART_DECLARE)
+#if STEP_PART != 0
+#if STEP_PART < 0 || STEP_PART == 1
+PART_DEFINE(1, __nv_bfloat16, 8)
+#endif
+#if STEP_PART < 0 || STEP_PART == 2
+PART_DEFINE(2, __nv_bfloat16, 16)
+#endif
+#if STEP_PART < 0 || STEP_PART == 3
+PART_DEFINE(3, float, 16)
+#endif
+#if STEP_PART < 0 || STEP_PART == 4
+PART_DEFINE(4, float, 32)
+#endif
+#endif
+
+#if STEP_PART <= 0
 extern "C" {
 // loads every instance and allows it smem bytes of shared memory: done before any CUDA-graph capture, so
 // no module loads inside one
 int minisgl_step_prepare(int smem) {
-  cudaError_t e = prepare_g<__nv_bfloat16, 8>(smem);
-  if (e == cudaSuccess) e = prepare_g<__nv_bfloat16, 16>(smem);
-  if (e == cudaSuccess) e = prepare_g<float, 16>(smem);
-  if (e == cudaSuccess) e = prepare_g<float, 32>(smem);
+  cudaError_t e = step_prepare_1(smem);
+  if (e == cudaSuccess) e = step_prepare_2(smem);
+  if (e == cudaSuccess) e = step_prepare_3(smem);
+  if (e == cudaSuccess) e = step_prepare_4(smem);
   return (int)e;
 }
 
@@ -1420,20 +1449,20 @@ int minisgl_step_max_splits() { return MAXS; }
 int minisgl_step_max_batch() { return MAXB; }
 int minisgl_step_trace_points() { return STAGES * POINTS; }
 
-// dtype: 0 float32, 1 bfloat16
+// dtype: 0 float32, 1 bfloat16; head dim 64 or 128 (a key row in 8 or 16 lanes' 16 bytes for bf16, 16 or
+// 32 for float32)
 int minisgl_decode_step(const int64_t* fields, float eps, float scale_log2, int dtype, int grid, int smem,
                         void* stream) {
-  Args a;
-  for (int i = 0; i < NUM_FIELDS; ++i) a.v[i] = fields[i];
-  a.eps = eps;
-  a.scale_log2 = scale_log2;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  cudaError_t e;
-  if (dtype == 1) e = launch_d<__nv_bfloat16>(a, grid, smem, s);
-  else if (dtype == 0) e = launch_d<float>(a, grid, smem, s);
-  else e = cudaErrorInvalidValue;
+  const int64_t d = fields[F_head_dim];
+  cudaError_t e = cudaErrorInvalidValue;
+  if (dtype == 1 && d == 64) e = step_launch_1(fields, eps, scale_log2, grid, smem, s);
+  else if (dtype == 1 && d == 128) e = step_launch_2(fields, eps, scale_log2, grid, smem, s);
+  else if (dtype == 0 && d == 64) e = step_launch_3(fields, eps, scale_log2, grid, smem, s);
+  else if (dtype == 0 && d == 128) e = step_launch_4(fields, eps, scale_log2, grid, smem, s);
   return (int)e;
 }
 
 const char* minisgl_step_error(int code) { return cudaGetErrorString((cudaError_t)code); }
 }
+#endif
