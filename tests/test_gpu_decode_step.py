@@ -51,6 +51,23 @@ def _generate(model: str, prompts, params, **kwargs):
     return outs
 
 
+def _generate_fast(model: str, prompts, params, page_size: int, pool_tokens: int, **kwargs):
+    """The fast path: Triton attention, decode graphs of up to 8 requests, overlap, a pool of pool_tokens
+    in pages of page_size."""
+    pages = pool_tokens // page_size
+    return _generate(
+        model,
+        prompts,
+        params,
+        attn="triton",
+        cuda_graph_max_bs=8,
+        overlap=True,
+        page_size=page_size,
+        num_page_override=pages,
+        **kwargs,
+    )
+
+
 def _assert_same_greedy(fast, ref, tie: float) -> None:
     """Token for token, except a first difference where the reference's top two log-probabilities are
     within `tie` (bf16 rounding ties, as in test_gpu_e2e)."""
@@ -100,17 +117,7 @@ def test_decode_step_equals_reference_one_request_qwen3_06b_bf16(page_size, step
     }
     ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
     assert not step_launches
-    fast = _generate(
-        model,
-        prompts,
-        params,
-        attn="triton",
-        cuda_graph_max_bs=8,
-        overlap=True,
-        page_size=page_size,
-        num_page_override=20_000 // page_size,
-        **common,
-    )
+    fast = _generate_fast(model, prompts, params, page_size, 20_000, **common)
     assert step_launches
     _assert_same_greedy(fast, ref, tie=0.5)
 
@@ -137,17 +144,7 @@ def test_decode_step_in_batches_shrinking_from_8_to_1_bf16(name, page_size, serv
         "max_seq_len_override": 4400,
     }
     ref = _generate(model, prompts, params, attn="torch", cuda_graph_max_bs=0, overlap=False, **common)
-    fast = _generate(
-        model,
-        prompts,
-        params,
-        attn="triton",
-        cuda_graph_max_bs=8,
-        overlap=True,
-        page_size=page_size,
-        num_page_override=40_000 // page_size,
-        **common,
-    )
+    fast = _generate_fast(model, prompts, params, page_size, 40_000, **common)
     assert set(step_launches) == served, step_launches
     _assert_same_greedy(fast, ref, tie=0.5)
 

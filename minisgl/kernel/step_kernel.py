@@ -325,7 +325,7 @@ def _smem(device: torch.device, sw: StepWeights, batch: int) -> tuple[int, int, 
     """(ring bytes, vec elements, scratch floats, total bytes) of the kernel's shared memory, laid out as
     decode_step.cu's kernel does: the weight ring; the projections' input rows (_vec_rows of them), the
     batch's h and h2 and the next norm's weights (of the model's dtype); the layers' pointer table (int64);
-    the position's cos / sin; the attention's scratch (attend() lays it out) and MAXB * NW floats of
+    the position's cos / sin; the attention's scratch (attend() lays it out) and batch * NW floats of
     reduction."""
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
@@ -337,7 +337,7 @@ def _smem(device: torch.device, sw: StepWeights, batch: int) -> tuple[int, int, 
     table = -(-len(sw.layers) * len(_LAYER_FIELDS) // 2) * 2
     scratch = (group + 2) * d + group * d + d + (group + 1) * d + 2 * nw * _MAX_GROUP + nw * group * d
     fixed = itemsize * ((_vec_rows(batch) + 1) * vec + 2 * batch * hidden)
-    fixed += 8 * table + 4 * (d + scratch + MAX_BATCH * nw)
+    fixed += 8 * table + 4 * (d + scratch + batch * nw)
     ring = (limit - fixed - _STATIC_SMEM) // 256 * 256
     return ring, vec, scratch, fixed + ring
 

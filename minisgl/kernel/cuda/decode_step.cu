@@ -760,7 +760,7 @@ __device__ void gather_words(const typename Word<T>::W* src, int n, int nb, unsi
 
 // vec's rows [0, nb) (vs elements apart) = rms_norm(row b of rows (k elements, rs apart), w), ss[b] this
 // thread's part of row b's sum of squares; w in shared memory, staged by this block's cp16s (waited for
-// here); red: MAXB * CW floats
+// here); red: nb * CW floats
 template <typename T>
 __device__ void norm_rows(const T* rows, int rs, const float (&ss)[MAXB], int nb, const T* w, int k, float eps,
                           T* vec, int vs, float* red) {
@@ -1128,7 +1128,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
   const int tab_n = (L * NUM_LAYER_FIELDS + 1) / 2 * 2;
   float* cs = reinterpret_cast<float*>(tab + tab_n);  // [D] cos / sin of the position
   float* scratch = cs + D;
-  float* red = scratch + a.v[F_scratch_floats];  // MAXB * CW floats
+  float* red = scratch + a.v[F_scratch_floats];  // nb * CW floats
   unsigned* ctr = reinterpret_cast<unsigned*>(a.v[F_counters]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   T* h2 = reinterpret_cast<T*>(a.v[F_h2]);
