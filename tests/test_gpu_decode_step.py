@@ -211,7 +211,9 @@ def test_decode_step_many_small_layers_fp32_equals_hf(tmp_path, step_launches):
     """A float32 Llama of 24 layers small enough that four weight stages fit in a block's ring at once (hidden
     512): the copy warp takes each ring slot's last stage back before reusing the slot (it once lost that
     stage's bytes, and the ring filled up over the layers until the kernel trapped). Hugging Face's greedy
-    tokens, one request at a time."""
+    tokens, one request at a time, then up to eight at once: there the smaller ring (the batch's input rows
+    take more of the shared memory) has chunks that end exactly at the ring's end, after which the copy warp
+    once placed the next chunk past it, over the input rows."""
     from helpers import HFReference
 
     spec = dataclasses.replace(
@@ -231,3 +233,10 @@ def test_decode_step_many_small_layers_fp32_equals_hf(tmp_path, step_launches):
     prompts = [random_prompt(n, spec.config_kwargs["vocab_size"], seed) for n, seed in [(33, 7), (120, 8)]]
     _assert_fp32_equals_hf(model, ref, prompts, "the decode-step kernel, 24 small layers")
     assert step_launches
+    prompts = [
+        random_prompt(n, spec.config_kwargs["vocab_size"], seed)
+        for n, seed in zip(range(5, 85, 10), range(8))
+    ]
+    del step_launches[:]
+    _assert_fp32_equals_hf(model, ref, prompts, "the decode-step kernel, 24 small layers, batches", batch=8)
+    assert 8 in step_launches, step_launches

@@ -514,8 +514,11 @@ __device__ void copy_weights(const Stage* kinds, const int64_t* tab, char* ring,
         used -= size[rel % RING_SLOTS];
         ++rel;
       }
-      const int pad = (head + bytes > ring_bytes) ? ring_bytes - head : 0;
-      const int off = pad ? 0 : head;
+      // wrapped by whether the chunk fits, not by the padding: a chunk after one that ended exactly at the
+      // ring's end (head == ring_bytes) has no padding and still starts at 0
+      const bool wrap = head + bytes > ring_bytes;
+      const int pad = wrap ? ring_bytes - head : 0;
+      const int off = wrap ? 0 : head;
       head = off + bytes;
       used += pad + bytes;
       size[slot] += pad + bytes;
