@@ -82,6 +82,12 @@ constexpr int POINTS = 5;      // trace: clock readings a stage
 #ifndef STEP_DOT_SUMS
 #define STEP_DOT_SUMS 1
 #endif
+// STEP_DOT_UNROLL: rounds of a dot product's loop whose loads are issued together (16 bytes a lane and row
+// a round)
+#ifndef STEP_DOT_UNROLL
+#define STEP_DOT_UNROLL 2
+#endif
+constexpr int DOT_UNROLL = STEP_DOT_UNROLL;  // nvcc's unroll pragma takes a constant, not a macro
 // The weight stream is copied in chunks of whole units of at most STEP_CHUNK bytes (one unit when a unit is
 // larger), each completed on its own mbarrier, so a warp starts on its rows as soon as their chunk is in,
 // and the copy warp keeps at most STEP_PACE chunks in flight (0: as many as the ring has room for): the
@@ -593,7 +599,7 @@ __device__ __forceinline__ void rows_dot(const char* const* p, const bool* sm, c
 #pragma unroll
       for (int c = 0; c < A; ++c) acc[j][b][c] = 0.f;
   if (STEP_NO_GEMV) k = 0;
-#pragma unroll 2
+#pragma unroll DOT_UNROLL
   for (int i = lane * E; i < k; i += 32 * E) {
     const size_t o = (size_t)i * sizeof(T);
     uint4 u[N];
