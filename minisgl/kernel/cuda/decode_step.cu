@@ -696,10 +696,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// whether a stage of one request takes the tensor-core dots: bf16, every row in the ring, k in whole groups
+// whether a stage of one request takes the tensor-core dots: bf16, every row in the ring, k in whole groups,
+// and more than one tile of rows (per: units a tile). A block's single tile (Qwen3-0.6B's o and down: 8
+// rows) spread its groups over every warp, and the warps' barrier and the serial sum of their parts cost
+// more than the FMA loop (run B10)
 template <typename T, int MB>
-__device__ __forceinline__ bool mma_serves(const Stage& s) {
-  if constexpr (STEP_MMA && MB == 1 && sizeof(T) == 2) return s.npre == s.n && s.k % 64 == 0;
+__device__ __forceinline__ bool mma_serves(const Stage& s, int per) {
+  if constexpr (STEP_MMA && MB == 1 && sizeof(T) == 2) return s.npre == s.n && s.k % 64 == 0 && s.n > per;
   return false;
 }
 // This block's rows of a stage as tiles of 16 rows (gate/up: 8 units, gate rows then up rows), each tile's
@@ -776,7 +779,7 @@ __host__ __device__ __forceinline__ int vec_rows(int nb) { return nb <= 2 ? nb :
 template <typename T, int MB, typename F>
 __device__ __forceinline__ void stage_rows(const Rows& rw, const T* vec, In in, float* part, F&& out) {
   if constexpr (sizeof(T) == 2) {
-    if (mma_serves<T, MB>(*rw.s)) {
+    if (mma_serves<T, MB>(*rw.s, 16)) {
       mma_stage<false>(rw, reinterpret_cast<const __nv_bfloat16*>(vec), part, out);
       return;
     }
@@ -824,7 +827,7 @@ __device__ __forceinline__ void pairs_nb(const Rows& rw, const T* vec, In in, F&
 template <typename T, int MB, typename F>
 __device__ __forceinline__ void stage_pairs(const Rows& rw, const T* vec, In in, float* part, F&& out) {
   if constexpr (sizeof(T) == 2) {
-    if (mma_serves<T, MB>(*rw.s)) {
+    if (mma_serves<T, MB>(*rw.s, 8)) {
       mma_stage<true>(rw, reinterpret_cast<const __nv_bfloat16*>(vec), part, out);
       return;
     }
