@@ -36,6 +36,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int NT = 512;
@@ -774,27 +776,6 @@ __device__ void mma_stage(const Rows& rw, const __nv_bfloat16* vec, float* part,
 // the instance of NB inputs a batch of nb takes: 1, 2, 4 or 8 (as step_kernel.py's _vec_rows)
 __host__ __device__ __forceinline__ int vec_rows(int nb) { return nb <= 2 ? nb : nb <= 4 ? 4 : MAXB; }
 
-// this block's rows of a plain stage times the batch's input rows: out(u, b, value). MB: the kernel
-// instance's batch, 1 or MAXB (a batch of 2 to MAXB)
-template <typename T, int MB, typename F>
-__device__ __forceinline__ void stage_rows(const Rows& rw, const T* vec, In in, float* part, F&& out) {
-  if constexpr (sizeof(T) == 2) {
-    if (mma_serves<T, MB>(*rw.s, 16)) {
-      mma_stage<false>(rw, reinterpret_cast<const __nv_bfloat16*>(vec), part, out);
-      return;
-    }
-  }
-  if (MB == 1) {
-    rows_nb<T, 1>(rw, vec, in, out);
-    return;
-  }
-  switch (vec_rows(in.nb)) {
-    case 2: rows_nb<T, 2>(rw, vec, in, out); break;
-    case 4: rows_nb<T, 4>(rw, vec, in, out); break;
-    default: rows_nb<T, MAXB>(rw, vec, in, out); break;
-  }
-}
-
 // gate/up: units [first, first + P) as 2P rows (gate, up of each): out(u, b, gate, up)
 template <typename T, int P, int NB, typename F>
 __device__ __forceinline__ void pairs_passes(const Rows& rw, const T* vec, In in, F& out) {
@@ -824,22 +805,29 @@ __device__ __forceinline__ void pairs_nb(const Rows& rw, const T* vec, In in, F&
   if (NB <= 4 && rw.s->n > CW) pairs_passes<T, 2, NB>(rw, vec, in, out);
   else pairs_passes<T, 1, NB>(rw, vec, in, out);
 }
-template <typename T, int MB, typename F>
-__device__ __forceinline__ void stage_pairs(const Rows& rw, const T* vec, In in, float* part, F&& out) {
+// this block's rows of a stage times the batch's input rows: out(u, b, value), or for gate/up (PAIRS)
+// out(u, b, gate, up). MB: the kernel instance's batch, 1 or MAXB (a batch of 2 to MAXB)
+template <bool PAIRS, typename T, int MB, typename F>
+__device__ __forceinline__ void stage_dots(const Rows& rw, const T* vec, In in, float* part, F&& out) {
   if constexpr (sizeof(T) == 2) {
-    if (mma_serves<T, MB>(*rw.s, 8)) {
-      mma_stage<true>(rw, reinterpret_cast<const __nv_bfloat16*>(vec), part, out);
+    if (mma_serves<T, MB>(*rw.s, PAIRS ? 8 : 16)) {
+      mma_stage<PAIRS>(rw, reinterpret_cast<const __nv_bfloat16*>(vec), part, out);
       return;
     }
   }
+  const auto dots = [&](auto rows) {  // rows: the instance's input rows, as a type
+    constexpr int NB = decltype(rows)::value;
+    if constexpr (PAIRS) pairs_nb<T, NB>(rw, vec, in, out);
+    else rows_nb<T, NB>(rw, vec, in, out);
+  };
   if (MB == 1) {
-    pairs_nb<T, 1>(rw, vec, in, out);
+    dots(std::integral_constant<int, 1>{});
     return;
   }
   switch (vec_rows(in.nb)) {
-    case 2: pairs_nb<T, 2>(rw, vec, in, out); break;
-    case 4: pairs_nb<T, 4>(rw, vec, in, out); break;
-    default: pairs_nb<T, MAXB>(rw, vec, in, out); break;
+    case 2: dots(std::integral_constant<int, 2>{}); break;
+    case 4: dots(std::integral_constant<int, 4>{}); break;
+    default: dots(std::integral_constant<int, MAXB>{}); break;
   }
 }
 
@@ -1375,7 +1363,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       if (tr) rw.first_in();
       MARK(0, 3);
       const T* bias = (const T*)lp[L_QKV_BIAS];
-      stage_rows<T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
+      stage_dots<false, T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
         if (bias) v += tof<T>(bias[s.u0 + u]);
         st_word(w_qkv + b * NQ + s.u0 + u, fromf<T>(v), tag);
       });
@@ -1403,7 +1391,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_O);
       if (tr) rw.first_in();
       MARK(2, 3);
-      stage_rows<T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
+      stage_dots<false, T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
         const int i = b * H + s.u0 + u;
         const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[i]));
         st_word(w_h2 + i, o, tag);
@@ -1428,7 +1416,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_GU);
       if (tr) rw.first_in();
       MARK(3, 3);
-      stage_pairs<T, MB>(rw, vec, in, scratch, [&](int u, int b, float g, float uv) {
+      stage_dots<true, T, MB>(rw, vec, in, scratch, [&](int u, int b, float g, float uv) {
         g = rnd<T>(g);
         uv = rnd<T>(uv);
         st_word(w_act + b * I + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
@@ -1451,7 +1439,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_DOWN);
       if (tr) rw.first_in();
       MARK(4, 3);
-      stage_rows<T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
+      stage_dots<false, T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
         const int i = b * H + s.u0 + u;
         const T o = fromf<T>(v);
         st_word(w_y + i, o, tag);
