@@ -482,3 +482,45 @@ def test_step_trace_table_reads_phases_in_microseconds_at_the_traces_own_clock()
     assert rows["qkv"] == "| qkv | 1.00 / 1.00 | 2.00 / 2.00 | 0.50 / 0.50 | 3.00 / 5.00 | 6.50 |"
     assert rows["attention"] == "| attention | 1.00 / 1.00 | 2.00 / 2.00 | 0.50 / 0.50 | 3.00 / 3.00 | 6.50 |"
     assert lines[-1] == "a layer, start to start: p50 32.50 us, p90 41.50 us"
+
+
+def test_step_trace_table_sets_each_stage_against_its_bytes_at_the_bandwidth():
+    """With a layer's bytes per stage and a bandwidth the report adds bytes, floor and the floor's share
+    of the stage's p50 (hand-made readings as above: every stage 6.5 us, a layer 32.5 us at p50)."""
+    from minisgl.benchmark.profile_step import stage_table
+
+    us = 2000
+    stages = torch.zeros(1, 1, 2, 5, 5, dtype=torch.int64)
+    t = 1000
+    for layer in range(2):
+        for st in range(5):
+            for p, d in enumerate((0.0, 1.0, 2.0, 0.5, 3.0)):
+                t += int(d * us)
+                stages[0, 0, layer, st, p] = t
+    tail = torch.tensor([[[1000, 500, 1000 + 2 * 40_000, 40_500]]])
+    lines = stage_table(stages, tail, 600, (2000, 1000, 500, 4000, 1500), 1e9)
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines[3:8]}
+    assert lines[1].endswith("| stage p50 us | bytes | floor us | of floor |")
+    assert rows["qkv"].endswith("| 6.50 | 2.00 KB | 2.00 | 31% |")
+    assert rows["gate_up"].endswith("| 6.50 | 4.00 KB | 4.00 | 62% |")
+    assert rows["o"].endswith("| 6.50 | 500 B | 0.50 | 8% |")
+    assert lines[-1] == (
+        "a layer's bytes 9.00 KB: 9.00 us at 0.00 TB/s, 28% of a layer's p50; the layers' 18.00 KB: "
+        "18.0 us, 45% of the kernel"
+    )
+
+
+def test_step_stage_bytes_of_qwen3_0_6b_by_hand():
+    """A layer of Qwen3-0.6B (hidden 1024, 16 x 128 q heads, 8 KV heads, intermediate 3072, bf16) at 601
+    keys: the weights with their norms, and attention's K and V rows (8 x 128 x 2 B each) with a 4-byte
+    page-table entry a key, the new K and V stored, and the q / k norm weights."""
+    from minisgl.benchmark.kernel_table import DecodeShape, step_stage_bytes
+
+    shape = DecodeShape(1024, 16, 8, 128, 3072, 151936, 28, qk_norm=True)
+    assert step_stage_bytes(shape, 601) == (
+        4096 * 1024 * 2 + 2048,
+        601 * (2048 + 2048 + 4) + 4096 + 512,
+        1024 * 2048 * 2,
+        6144 * 1024 * 2 + 2048,
+        1024 * 3072 * 2,
+    )

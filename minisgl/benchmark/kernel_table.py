@@ -188,6 +188,23 @@ def decode_step_bytes(
     return out
 
 
+def step_stage_bytes(shape: DecodeShape, context: int) -> tuple[int, ...]:
+    """The one-kernel decode step's stages (qkv, attention, o, gate_up, down) of one layer of one request
+    at `context` keys: the bytes each must read at least, its weights (with the norm's) or its keys' and
+    values' rows with their page-table entries (and the new K and V stored)."""
+    h, d, i, w = shape.hidden, shape.head_dim, shape.intermediate, shape.dtype_bytes
+    q_dim, kv_dim = shape.heads * d, shape.kv_heads * d
+    attention = context * (2 * kv_dim * shape.kv_bytes + 4) + 2 * kv_dim * shape.kv_bytes
+    attention += 2 * d * w if shape.qk_norm else 0
+    return (
+        (q_dim + 2 * kv_dim) * h * w + h * w,
+        attention,
+        h * q_dim * w,
+        2 * i * h * w + h * w,
+        h * i * w,
+    )
+
+
 def _attention_bytes(
     shape: DecodeShape, seq_lens: Sequence[int], num_splits: int, block_n: int
 ) -> dict[str, OpBytes]:

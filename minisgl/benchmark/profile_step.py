@@ -306,10 +306,17 @@ def step_trace(args: argparse.Namespace) -> None:
         raise SystemExit(
             "--step-trace: the one-kernel decode step does not build here (needs sm_90 and nvcc)"
         )
+    from .kernel_table import DecodeShape, step_stage_bytes
+    from .moe_layer import copy_bandwidth
+
+    bandwidth = copy_bandwidth()  # before the engine sizes its KV pool from the free memory
+    torch.cuda.empty_cache()
     step_kernel.trace(device)  # before the engine captures its graphs
     llm = _make_llm(args, max_running_req=1)
     s = llm.scheduler
-    layers = s.engine.model_config.num_layers
+    engine = s.engine
+    layers = engine.model_config.num_layers
+    shape = DecodeShape.of(engine.model_config, engine.dtype.itemsize, engine.kv_dtype.itemsize)
     random.seed(0)
     _steady_decode(s, 1, args.context, args.context, WARM_STEPS + args.steps + 4)
     rows, spans = [], []
@@ -320,15 +327,26 @@ def step_trace(args: argparse.Namespace) -> None:
         rows.append(stages)
         spans.append(tail)
     _drain(s)
-    for line in stage_table(torch.stack(rows), torch.stack(spans), args.context):
+    stage_bytes = step_stage_bytes(shape, args.context + 1)  # the new key is read too
+    for line in stage_table(torch.stack(rows), torch.stack(spans), args.context, stage_bytes, bandwidth):
         print(line)
 
 
-def stage_table(stages: torch.Tensor, tail: torch.Tensor, context: int) -> list[str]:
+def stage_table(
+    stages: torch.Tensor,
+    tail: torch.Tensor,
+    context: int,
+    stage_bytes: tuple[int, ...] | None = None,
+    bandwidth: float | None = None,
+) -> list[str]:
     """The --step-trace report of clock readings stages [steps, blocks, layers, 5 stages, 5 points] and the
     blocks' (clock64, globaltimer) pairs tail [steps, blocks, 4]: the kernel's span, the SM clock, then a
     Markdown row per stage of each phase's p50 / p90 (over steps, blocks and layers; a block that recorded
-    no reading of a stage, i.e. zeros, is left out of that stage) and the layer's start-to-start time."""
+    no reading of a stage, i.e. zeros, is left out of that stage) and the layer's start-to-start time.
+    With stage_bytes (a layer's, per stage) and bandwidth (bytes a second): each stage's bytes, their
+    floor at that bandwidth and the floor's share of the stage's p50, and the same for a layer."""
+    from .kernel_table import fmt_bytes
+
     stages, tail = stages.double(), tail.double()
     per_ns = ((tail[..., 2] - tail[..., 0]) / (tail[..., 3] - tail[..., 1])).median().item()
     kernel_us = ((tail[..., 3].amax(-1) - tail[..., 1].amin(-1)) / 1e3).median().item()
@@ -339,8 +357,12 @@ def stage_table(stages: torch.Tensor, tail: torch.Tensor, context: int) -> list[
     )
     lines = [head]
     phases = ("issue", "inputs", "weights", "compute")
-    lines.append("| stage | " + " | ".join(f"{p} p50 / p90 us" for p in phases) + " | stage p50 us |")
-    lines.append("| --- | " + " | ".join("---" for _ in phases) + " | --- |")
+    floors = stage_bytes is not None and bandwidth is not None
+    extra = " bytes | floor us | of floor |" if floors else ""
+    lines.append("| stage | " + " | ".join(f"{p} p50 / p90 us" for p in phases) + " | stage p50 us |" + extra)
+    lines.append(
+        "| --- | " + " | ".join("---" for _ in phases) + " | --- |" + " --- |" * (3 if floors else 0)
+    )
     for i, name in enumerate(STAGE_NAMES):
         st = stages[:, :, :, i, :]
         valid = (st > 0).all(-1)  # blocks without attention work record no q / split points
@@ -348,12 +370,22 @@ def stage_table(stages: torch.Tensor, tail: torch.Tensor, context: int) -> list[
         for p in range(4):
             d = ((st[..., p + 1] - st[..., p]) / per_ns / 1e3)[valid]
             cells.append(f"{d.median().item():.2f} / {d.quantile(0.9).item():.2f}" if d.numel() else "-")
-        total = ((st[..., 4] - st[..., 0]) / per_ns / 1e3)[valid]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {total.median().item():.2f} |")
+        total = ((st[..., 4] - st[..., 0]) / per_ns / 1e3)[valid].median().item()
+        row = f"| {name} | " + " | ".join(cells) + f" | {total:.2f} |"
+        if floors:
+            floor = stage_bytes[i] / bandwidth * 1e6
+            row += f" {fmt_bytes(stage_bytes[i])} | {floor:.2f} | {floor / total:.0%} |"
+        lines.append(row)
     layer = (stages[:, :, 1:, 0, 0] - stages[:, :, :-1, 0, 0]) / per_ns / 1e3
-    lines.append(
-        f"a layer, start to start: p50 {layer.median().item():.2f} us, p90 {layer.quantile(0.9).item():.2f} us"
-    )
+    p50 = layer.median().item()
+    lines.append(f"a layer, start to start: p50 {p50:.2f} us, p90 {layer.quantile(0.9).item():.2f} us")
+    if floors:
+        floor = sum(stage_bytes) / bandwidth * 1e6
+        lines.append(
+            f"a layer's bytes {fmt_bytes(sum(stage_bytes))}: {floor:.2f} us at {bandwidth / 1e12:.2f} TB/s, "
+            f"{floor / p50:.0%} of a layer's p50; the layers' {fmt_bytes(layers * sum(stage_bytes))}: "
+            f"{layers * floor:.1f} us, {layers * floor / kernel_us:.0%} of the kernel"
+        )
     return lines
 
 
