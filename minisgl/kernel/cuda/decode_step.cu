@@ -84,11 +84,6 @@ constexpr int POINTS = 5;      // trace: clock readings a stage
 #ifndef STEP_DOT_SUMS
 #define STEP_DOT_SUMS 1
 #endif
-// STEP_MMA: a bf16 projection stage of one request whose rows are all in the ring (and k a multiple of 64)
-// takes its dot products on the tensor cores (mma_stage below) instead of the FMA loop
-#ifndef STEP_MMA
-#define STEP_MMA 0
-#endif
 // STEP_DOT_UNROLL: rounds of a dot product's loop whose loads are issued together (16 bytes a lane and row
 // a round)
 #ifndef STEP_DOT_UNROLL
@@ -682,97 +677,6 @@ __device__ __forceinline__ void rows_nb(const Rows& rw, const T* vec, In in, F& 
     default: rows_passes<T, PM, NB>(rw, vec, in, out); break;
   }
 }
-// ---- the tensor-core dots (STEP_MMA) ----------------------------------------------------------------------
-// One m16n8k16 mma takes 16 weight rows (A) by 16 elements of k and 8 columns of B. A row-major ldmatrix of
-// rows 2 KB apart would hit the same banks eight times over, so each row's eight 16-byte pieces of a 64-element
-// group are read in a rotation of its own (row m starts at piece m % 8), and B's column n holds x's pieces in
-// rotation n: D[m][n] is row m's dot with x summed in rotation n's order, and column m % 8 pairs every piece
-// of the row with x's same piece. The lane 4 * g + g / 2 holds rows g and g + 8 (of column g).
-__device__ __forceinline__ void ldsm_x4(const void* p, unsigned (&a)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(saddr(p)));
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// whether a stage of one request takes the tensor-core dots: bf16, every row in the ring, k in whole groups,
-// and more than one tile of rows (per: units a tile). A block's single tile (Qwen3-0.6B's o and down: 8
-// rows) spread its groups over every warp, and the warps' barrier and the serial sum of their parts cost
-// more than the FMA loop (run B10)
-template <typename T, int MB>
-__device__ __forceinline__ bool mma_serves(const Stage& s, int per) {
-  if constexpr (STEP_MMA && MB == 1 && sizeof(T) == 2) return s.npre == s.n && s.k % 64 == 0 && s.n > per;
-  return false;
-}
-// This block's rows of a stage as tiles of 16 rows (gate/up: 8 units, gate rows then up rows), each tile's
-// 64-element groups split over ks warps; the warps' sums of a tile added through `part` (CW * 16 floats of
-// shared memory, free during the projections). out(u, row sums...) once a unit, as rows_group's out.
-template <bool PAIRS, typename F>
-__device__ void mma_stage(const Rows& rw, const __nv_bfloat16* vec, float* part, F& out) {
-  const Stage& s = *rw.s;
-  // the lane read here (volatile), so its derived offsets are not hoisted to the kernel's start, where they
-  // would hold registers through every layer
-  unsigned lane_v;
-  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane_v));
-  const int warp = threadIdx.x >> 5, lane = (int)lane_v;
-  constexpr int PER = PAIRS ? 8 : 16;  // units a tile
-  const int nt = (s.n + PER - 1) / PER, ks = max(1, CW / nt), G = s.k / 64;
-  const int r = lane & 7, m = r + 8 * ((lane >> 3) & 1), hi = lane >> 4;  // this lane's ldmatrix row and half
-  const int gid = lane >> 2, tig = lane & 3;
-  const bool owner = tig == gid >> 1;  // holds rows gid and gid + 8
-  for (int item = warp; item < nt * ks; item += CW) {
-    const int t = item / ks, kq = item - t * ks;
-    bool sm;
-    const char* p;
-    if constexpr (PAIRS) {
-      const int u = min(t * PER + r, s.n - 1);  // past n: a repeat
-      p = rw.unit(u, sm);
-      if (m >= 8) p = rw.up(p, u, sm);
-    } else {
-      p = rw.unit(min(t * PER + m, s.n - 1), sm);
-    }
-    __syncwarp();
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int g = kq; g < G; g += ks) {
-      const char* pg = p + g * 128;
-      const __nv_bfloat16* xg = vec + g * 64 + 2 * tig;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        unsigned a[4];
-        ldsm_x4(pg + 16 * ((2 * q + hi + r) & 7), a);
-        const unsigned b0 = *reinterpret_cast<const unsigned*>(xg + 8 * ((2 * q + gid) & 7));
-        const unsigned b1 = *reinterpret_cast<const unsigned*>(xg + 8 * ((2 * q + 1 + gid) & 7));
-        mma_bf16(acc[q & 1], a, b0, b1);
-      }
-    }
-    // rows gid and gid + 8 (column gid: element 1 or 3 for an odd gid; selected, not indexed, so acc stays
-    // in registers)
-    const bool odd = gid & 1;
-    float lo = odd ? acc[0][1] + acc[1][1] : acc[0][0] + acc[1][0];
-    float up = odd ? acc[0][3] + acc[1][3] : acc[0][2] + acc[1][2];
-    if (ks > 1) {  // every warp has at most one item (nt * ks <= CW): its sums to part, the tile's first adds
-      if (owner) part[warp * 16 + gid] = lo, part[warp * 16 + gid + 8] = up;
-      csync();
-      if (kq != 0) continue;
-      if (owner) {
-        for (int j = 1; j < ks; ++j) lo += part[(warp + j) * 16 + gid], up += part[(warp + j) * 16 + gid + 8];
-      }
-    }
-    if (!owner) continue;
-    if constexpr (PAIRS) {
-      if (t * PER + gid < s.n) out(t * PER + gid, 0, lo, up);
-    } else {
-      if (t * PER + gid < s.n) out(t * PER + gid, 0, lo);
-      if (t * PER + gid + 8 < s.n) out(t * PER + gid + 8, 0, up);
-    }
-  }
-  // a warp without an item still joins the tiles' barrier
-  if (ks > 1 && warp >= nt * ks) csync();
-}
-
 // the instance of NB inputs a batch of nb takes: 1, 2, 4 or 8 (as step_kernel.py's _vec_rows)
 __host__ __device__ __forceinline__ int vec_rows(int nb) { return nb <= 2 ? nb : nb <= 4 ? 4 : MAXB; }
 
@@ -808,13 +712,7 @@ __device__ __forceinline__ void pairs_nb(const Rows& rw, const T* vec, In in, F&
 // this block's rows of a stage times the batch's input rows: out(u, b, value), or for gate/up (PAIRS)
 // out(u, b, gate, up). MB: the kernel instance's batch, 1 or MAXB (a batch of 2 to MAXB)
 template <bool PAIRS, typename T, int MB, typename F>
-__device__ __forceinline__ void stage_dots(const Rows& rw, const T* vec, In in, float* part, F&& out) {
-  if constexpr (sizeof(T) == 2) {
-    if (mma_serves<T, MB>(*rw.s, PAIRS ? 8 : 16)) {
-      mma_stage<PAIRS>(rw, reinterpret_cast<const __nv_bfloat16*>(vec), part, out);
-      return;
-    }
-  }
+__device__ __forceinline__ void stage_dots(const Rows& rw, const T* vec, In in, F&& out) {
   const auto dots = [&](auto rows) {  // rows: the instance's input rows, as a type
     constexpr int NB = decltype(rows)::value;
     if constexpr (PAIRS) pairs_nb<T, NB>(rw, vec, in, out);
@@ -1363,7 +1261,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       if (tr) rw.first_in();
       MARK(0, 3);
       const T* bias = (const T*)lp[L_QKV_BIAS];
-      stage_dots<false, T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
+      stage_dots<false, T, MB>(rw, vec, in, [&](int u, int b, float v) {
         if (bias) v += tof<T>(bias[s.u0 + u]);
         st_word(w_qkv + b * NQ + s.u0 + u, fromf<T>(v), tag);
       });
@@ -1391,7 +1289,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_O);
       if (tr) rw.first_in();
       MARK(2, 3);
-      stage_dots<false, T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
+      stage_dots<false, T, MB>(rw, vec, in, [&](int u, int b, float v) {
         const int i = b * H + s.u0 + u;
         const T o = fromf<T>(rnd<T>(v) + tof<T>(hs[i]));
         st_word(w_h2 + i, o, tag);
@@ -1416,7 +1314,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_GU);
       if (tr) rw.first_in();
       MARK(3, 3);
-      stage_dots<true, T, MB>(rw, vec, in, scratch, [&](int u, int b, float g, float uv) {
+      stage_dots<true, T, MB>(rw, vec, in, [&](int u, int b, float g, float uv) {
         g = rnd<T>(g);
         uv = rnd<T>(uv);
         st_word(w_act + b * I + s.u0 + u, fromf<T>(rnd<T>(g / (1.f + __expf(-g))) * uv), tag);
@@ -1439,7 +1337,7 @@ __global__ void __launch_bounds__(NT, 1) decode_step_kernel(const __grid_constan
       const Rows rw = rows_of<T>(r, ring, s, ck, 4 * layer + K_DOWN);
       if (tr) rw.first_in();
       MARK(4, 3);
-      stage_dots<false, T, MB>(rw, vec, in, scratch, [&](int u, int b, float v) {
+      stage_dots<false, T, MB>(rw, vec, in, [&](int u, int b, float v) {
         const int i = b * H + s.u0 + u;
         const T o = fromf<T>(v);
         st_word(w_y + i, o, tag);
