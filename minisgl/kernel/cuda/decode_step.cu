@@ -36,8 +36,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <type_traits>
-
 namespace {
 
 constexpr int NT = 512;
@@ -709,23 +707,23 @@ __device__ __forceinline__ void pairs_nb(const Rows& rw, const T* vec, In in, F&
   if (NB <= 4 && rw.s->n > CW) pairs_passes<T, 2, NB>(rw, vec, in, out);
   else pairs_passes<T, 1, NB>(rw, vec, in, out);
 }
+template <bool PAIRS, typename T, int NB, typename F>
+__device__ __forceinline__ void dots_nb(const Rows& rw, const T* vec, In in, F& out) {
+  if constexpr (PAIRS) pairs_nb<T, NB>(rw, vec, in, out);
+  else rows_nb<T, NB>(rw, vec, in, out);
+}
 // this block's rows of a stage times the batch's input rows: out(u, b, value), or for gate/up (PAIRS)
 // out(u, b, gate, up). MB: the kernel instance's batch, 1 or MAXB (a batch of 2 to MAXB)
 template <bool PAIRS, typename T, int MB, typename F>
 __device__ __forceinline__ void stage_dots(const Rows& rw, const T* vec, In in, F&& out) {
-  const auto dots = [&](auto rows) {  // rows: the instance's input rows, as a type
-    constexpr int NB = decltype(rows)::value;
-    if constexpr (PAIRS) pairs_nb<T, NB>(rw, vec, in, out);
-    else rows_nb<T, NB>(rw, vec, in, out);
-  };
   if (MB == 1) {
-    dots(std::integral_constant<int, 1>{});
+    dots_nb<PAIRS, T, 1>(rw, vec, in, out);
     return;
   }
   switch (vec_rows(in.nb)) {
-    case 2: dots(std::integral_constant<int, 2>{}); break;
-    case 4: dots(std::integral_constant<int, 4>{}); break;
-    default: dots(std::integral_constant<int, MAXB>{}); break;
+    case 2: dots_nb<PAIRS, T, 2>(rw, vec, in, out); break;
+    case 4: dots_nb<PAIRS, T, 4>(rw, vec, in, out); break;
+    default: dots_nb<PAIRS, T, MAXB>(rw, vec, in, out); break;
   }
 }
 
