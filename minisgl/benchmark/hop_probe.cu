@@ -14,6 +14,14 @@
 //   quarter  the same with a quarter of the blocks adding (the atomics' share of the cost)
 //   counter  every block adds float parts (red.add.v4.f32), then a fence and one counter a block; every
 //            block polls the counter with one thread, then loads all N
+// and within a thread-block cluster of C blocks (C = 2..16, one block an SM, as many clusters as fit at once):
+//   cluster barrier  a block stores its N / C words into the shared memory of every block of its cluster
+//                    (distributed shared memory), then the cluster's barrier (arrive.release, wait.acquire);
+//                    every block reads its N words from its own shared memory
+//   cluster tagged   the same stores as tagged words, no barrier: every block polls its own shared memory
+// beside the tagged hop through L2 among C blocks alone, and how many SMs the clusters of C hold at once
+// (all that a persistent kernel of such clusters could use).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -106,6 +114,42 @@ __global__ void __launch_bounds__(NT, 1) hop(int mode, int n, unsigned* words, u
   if (acc == 12345.f) sink[0] = acc;
 }
 
+__device__ __forceinline__ uint4 lds4(const unsigned* p) {  // this block's shared memory, as it is now
+  uint4 u;
+  asm volatile("ld.volatile.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+  return u;
+}
+// the cluster hop: 2 x NMAX words of dynamic shared memory, a round's buffer in turn (a round's stores
+// follow, through the barrier before them, every block's reads of the buffer two rounds back)
+__global__ void __launch_bounds__(NT, 1) cluster_hop(int n, int tagged, float* sink) {
+  extern __shared__ unsigned smem[];
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  const int c = (int)cl.num_blocks(), rank = (int)cl.block_rank();
+  float acc = 0.f;
+  for (int r = 0; r < ROUNDS; ++r) {
+    unsigned* buf = smem + (r & 1) * NMAX;
+    const unsigned tag = (r + 1) & 0xffffu;
+    for (int peer = 0; peer < c; ++peer) {
+      volatile unsigned* remote = cl.map_shared_rank(buf, peer);
+      for (int i = rank * n / c + threadIdx.x; i < (rank + 1) * n / c; i += NT)
+        remote[i] = tagged ? (__float_as_uint(acc + i) & 0xffff0000u) | tag : __float_as_uint(acc + i);
+    }
+    if (!tagged) cl.sync();
+    for (int i = threadIdx.x * 4; i < n; i += NT * 4) {
+      uint4 u = lds4(buf + i);
+      while (tagged && ((u.x & 0xffffu) != tag || (u.y & 0xffffu) != tag || (u.z & 0xffffu) != tag ||
+                        (u.w & 0xffffu) != tag))
+        u = lds4(buf + i);
+      acc += __uint_as_float(u.x & 0xffff0000u) * 1e-9f + __uint_as_float(u.w & 0xffff0000u) * 1e-9f;
+    }
+    if (tagged) __syncthreads();  // as a stage's threads meet before the next
+  }
+  cl.sync();  // no block leaves while another may still store into its shared memory
+  if (acc == 12345.f) sink[0] = acc;
+}
+
 }  // namespace
 
 int main() {
@@ -142,6 +186,63 @@ int main() {
         }
         std::printf("blocks %3d  words %4d  %-8s %.3f us a hop\n", g, n, kNames[mode], best * 1e3f / ROUNDS);
       }
+    }
+  }
+  // within clusters
+  // shared memory for one block an SM (as the step kernel takes), of which the hop uses 2 x NMAX words
+  const int smem = 160 * 1024;
+  cudaFuncSetAttribute(cluster_hop, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  cudaFuncSetAttribute(cluster_hop, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  for (int c : {2, 4, 8, 16}) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = c;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(NT);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.gridDim = dim3(c);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, cluster_hop, &cfg) != cudaSuccess || clusters == 0) {
+      std::printf("cluster %2d: not launchable (%s)\n", c, cudaGetErrorString(cudaGetLastError()));
+      continue;
+    }
+    cfg.gridDim = dim3(c * clusters);
+    for (int n : {512, 1024, 2048, 4096}) {
+      float best = 1e30f, best_tagged = 1e30f;
+      for (int rep = 0; rep < 6; ++rep) {
+        cudaMemset(words, 0, words_bytes);  // (the tagged cluster hop's shared memory starts as garbage:
+        cudaEventRecord(e0);                //  a stale tag of 1 could pass round 0; harmless for timing)
+        cudaLaunchKernelEx(&cfg, cluster_hop, n, rep & 1, sink);
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        if (cudaError_t err = cudaGetLastError()) {
+          std::printf("error: %s\n", cudaGetErrorString(err));
+          return 1;
+        }
+        float ms = 0.f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        float& b = rep & 1 ? best_tagged : best;
+        b = ms < b ? ms : b;
+      }
+      float tagged = 1e30f;  // the tagged hop among C blocks alone
+      for (int rep = 0; rep < 3; ++rep) {
+        cudaMemset(words, 0, words_bytes);
+        cudaEventRecord(e0);
+        hop<<<c, NT>>>(TAGGED, n, words, sums, sink);
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        float ms = 0.f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        tagged = ms < tagged ? ms : tagged;
+      }
+      std::printf(
+          "cluster %2d x %2d clusters (%3d SMs)  words %4d  cluster barrier %.3f us a hop, cluster tagged %.3f, "
+          "tagged in L2 among %2d blocks %.3f\n",
+          c, clusters, c * clusters, n, best * 1e3f / ROUNDS, best_tagged * 1e3f / ROUNDS, c, tagged * 1e3f / ROUNDS);
     }
   }
   return 0;
