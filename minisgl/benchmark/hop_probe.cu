@@ -127,6 +127,8 @@ __global__ void __launch_bounds__(NT, 1) cluster_hop(int n, int tagged, float* s
   namespace cg = cooperative_groups;
   cg::cluster_group cl = cg::this_cluster();
   const int c = (int)cl.num_blocks(), rank = (int)cl.block_rank();
+  for (int i = threadIdx.x; i < 2 * NMAX; i += NT) smem[i] = 0;  // no stale tag passes round 0
+  cl.sync();
   float acc = 0.f;
   for (int r = 0; r < ROUNDS; ++r) {
     unsigned* buf = smem + (r & 1) * NMAX;
@@ -148,6 +150,22 @@ __global__ void __launch_bounds__(NT, 1) cluster_hop(int n, int tagged, float* s
   }
   cl.sync();  // no block leaves while another may still store into its shared memory
   if (acc == 12345.f) sink[0] = acc;
+}
+
+// one launch's time in milliseconds between two events; negative (and the error printed) if it failed
+template <typename F>
+float timed(cudaEvent_t e0, cudaEvent_t e1, F&& launch) {
+  cudaEventRecord(e0);
+  launch();
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  if (cudaError_t err = cudaGetLastError()) {
+    std::printf("error: %s\n", cudaGetErrorString(err));
+    return -1.f;
+  }
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, e0, e1);
+  return ms;
 }
 
 }  // namespace
@@ -172,16 +190,8 @@ int main() {
         for (int rep = 0; rep < 3; ++rep) {
           cudaMemset(words, 0, words_bytes);
           cudaMemset(sums, 0, (size_t)ROUNDS * n * sizeof(unsigned long long));
-          cudaEventRecord(e0);
-          hop<<<g, NT>>>(mode, n, words, sums, sink);
-          cudaEventRecord(e1);
-          cudaEventSynchronize(e1);
-          if (cudaError_t err = cudaGetLastError()) {
-            std::printf("error: %s\n", cudaGetErrorString(err));
-            return 1;
-          }
-          float ms = 0.f;
-          cudaEventElapsedTime(&ms, e0, e1);
+          const float ms = timed(e0, e1, [&] { hop<<<g, NT>>>(mode, n, words, sums, sink); });
+          if (ms < 0.f) return 1;
           best = ms < best ? ms : best;
         }
         std::printf("blocks %3d  words %4d  %-8s %.3f us a hop\n", g, n, kNames[mode], best * 1e3f / ROUNDS);
@@ -214,29 +224,16 @@ int main() {
     for (int n : {512, 1024, 2048, 4096}) {
       float best = 1e30f, best_tagged = 1e30f;
       for (int rep = 0; rep < 6; ++rep) {
-        cudaMemset(words, 0, words_bytes);  // (the tagged cluster hop's shared memory starts as garbage:
-        cudaEventRecord(e0);                //  a stale tag of 1 could pass round 0; harmless for timing)
-        cudaLaunchKernelEx(&cfg, cluster_hop, n, rep & 1, sink);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        if (cudaError_t err = cudaGetLastError()) {
-          std::printf("error: %s\n", cudaGetErrorString(err));
-          return 1;
-        }
-        float ms = 0.f;
-        cudaEventElapsedTime(&ms, e0, e1);
+        const float ms = timed(e0, e1, [&] { cudaLaunchKernelEx(&cfg, cluster_hop, n, rep & 1, sink); });
+        if (ms < 0.f) return 1;
         float& b = rep & 1 ? best_tagged : best;
         b = ms < b ? ms : b;
       }
       float tagged = 1e30f;  // the tagged hop among C blocks alone
       for (int rep = 0; rep < 3; ++rep) {
         cudaMemset(words, 0, words_bytes);
-        cudaEventRecord(e0);
-        hop<<<c, NT>>>(TAGGED, n, words, sums, sink);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        float ms = 0.f;
-        cudaEventElapsedTime(&ms, e0, e1);
+        const float ms = timed(e0, e1, [&] { hop<<<c, NT>>>(TAGGED, n, words, sums, sink); });
+        if (ms < 0.f) return 1;
         tagged = ms < tagged ? ms : tagged;
       }
       std::printf(
