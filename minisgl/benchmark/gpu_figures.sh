@@ -27,7 +27,10 @@ run() {  # log-name result-pattern command...
     "$@" 2>&1 | tee "$OUT/$log.log" | grep -E "$pattern"
 }
 
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader || {
+    echo "gpu_figures.sh: no NVIDIA GPU here (nvidia-smi failed)" >&2
+    exit 2
+}
 case $PART in
 w2)
     for model in qwen3-0.6b llama-3.2-1b; do
