@@ -59,6 +59,10 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(x) : "l"(p) : "memory");
   return x;
 }
+// all four tagged words carry the round's tag
+__device__ __forceinline__ bool tagged4(uint4 u, unsigned tag) {
+  return (u.x & 0xffffu) == tag && (u.y & 0xffffu) == tag && (u.z & 0xffffu) == tag && (u.w & 0xffffu) == tag;
+}
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
 
 // words: 2 x NMAX tagged words, then ROUNDS counters; sums: ROUNDS x N 64-bit words (or floats), zeroed
@@ -74,8 +78,7 @@ __global__ void __launch_bounds__(NT, 1) hop(int mode, int n, unsigned* words, u
         st32(w + i, (__float_as_uint(acc + i) & 0xffff0000u) | tag);
       for (int c = threadIdx.x * 4; c < n; c += CT * 4) {
         uint4 u = ld4(w + c);
-        while ((u.x & 0xffffu) != tag || (u.y & 0xffffu) != tag || (u.z & 0xffffu) != tag ||
-               (u.w & 0xffffu) != tag) {
+        while (!tagged4(u, tag)) {
           __nanosleep(32);
           u = ld4(w + c);
         }
@@ -141,9 +144,7 @@ __global__ void __launch_bounds__(NT, 1) cluster_hop(int n, int tagged, float* s
     if (!tagged) cl.sync();
     for (int i = threadIdx.x * 4; i < n; i += NT * 4) {
       uint4 u = lds4(buf + i);
-      while (tagged && ((u.x & 0xffffu) != tag || (u.y & 0xffffu) != tag || (u.z & 0xffffu) != tag ||
-                        (u.w & 0xffffu) != tag))
-        u = lds4(buf + i);
+      while (tagged && !tagged4(u, tag)) u = lds4(buf + i);
       acc += __uint_as_float(u.x & 0xffff0000u) * 1e-9f + __uint_as_float(u.w & 0xffff0000u) * 1e-9f;
     }
     if (tagged) __syncthreads();  // as a stage's threads meet before the next
